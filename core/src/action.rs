@@ -1,0 +1,81 @@
+//! The core's outputs: what the IO layer must do, in order.
+
+/// Whether new calls may be forwarded to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Admission {
+    /// New calls are forwarded.
+    Open,
+    /// New calls are refused with UNAVAILABLE "draining".
+    Closed,
+}
+
+/// What the sidecar's own `grpc.health.v1` service reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Health {
+    /// SERVING: routers may send calls here.
+    Serving,
+    /// NOT_SERVING: starting, draining or lost.
+    NotServing,
+}
+
+/// Severity of a line the core wants logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Level {
+    /// Normal lifecycle progress.
+    Info,
+    /// Something an operator should look at; the sidecar copes.
+    Warn,
+    /// The engine is lost or start-up failed.
+    Error,
+}
+
+/// Why the process ends; the numeric value is the process exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExitCode {
+    /// 0: shut down after a signal.
+    Clean,
+    /// 1: the engine was lost; the supervisor should restart the pod.
+    EngineLost,
+    /// 3: start-up did not complete before the startup deadline.
+    StartupFailed,
+}
+
+impl ExitCode {
+    /// The process exit status for this outcome.
+    pub const fn as_i32(self) -> i32 {
+        match self {
+            ExitCode::Clean => 0,
+            ExitCode::EngineLost => 1,
+            ExitCode::StartupFailed => 3,
+        }
+    }
+}
+
+/// Something the IO layer must do.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Write this worker's record to discovery. Answer with `Registered` or
+    /// `RegistrationFailed`. Discovery actions run one at a time, in order.
+    Register,
+    /// Remove this worker's record from discovery. Answer with `Withdrawn` or `WithdrawFailed`.
+    Withdraw,
+    /// Open or close admission of new calls.
+    SetAdmission(Admission),
+    /// Set the sidecar's own health status.
+    SetHealth(Health),
+    /// Start the liveness Watch, the stale-load probe and the identity re-read.
+    StartMonitors,
+    /// Stop those monitors.
+    StopMonitors,
+    /// Write one log line, exactly this text, at this level.
+    Log {
+        /// Severity.
+        level: Level,
+        /// The line.
+        message: String,
+    },
+    /// Reset every call still in flight (both sides see the stream end).
+    CancelInFlight,
+    /// End the process with this code. Always the last action.
+    Exit(ExitCode),
+}

@@ -1,0 +1,34 @@
+//! What the core needs to know about its deployment, fixed for its lifetime.
+
+use std::time::Duration;
+
+/// The lifecycle's settings. The IO layer builds this from checked flags, so the
+/// values here are already sane; the core still behaves (never panics, never
+/// arms a deadline in the past) for any value, including zero.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Config {
+    /// How the engine is named in operator-facing lines: "TensorRT-LLM", "vLLM", "SGLang".
+    pub engine_display_name: String,
+    /// The gRPC health service name watched for liveness (TensorRT-LLM: "liveness").
+    pub liveness_service: String,
+    /// This sidecar's instance id, the last segment of its discovery key.
+    pub instance_id: u64,
+    /// Pause between two attempts of a failed discovery write.
+    pub retry_interval: Duration,
+    /// How long start-up (engine ready and registered) may take before exit 3.
+    pub startup_deadline: Duration,
+    /// Without a fresh probe answer for this long, the engine counts as lost.
+    pub stale_after: Duration,
+    /// After a shutdown signal, how long calls are still admitted so that routers
+    /// that have not yet seen the withdrawal do not get refusals.
+    pub router_grace: Duration,
+    /// How long in-flight calls may take to finish once admission is closed.
+    pub drain_timeout: Duration,
+}
+
+impl Config {
+    /// The instance id as it appears in discovery keys and log lines.
+    pub fn instance_hex(&self) -> String {
+        format!("{:x}", self.instance_id)
+    }
+}

@@ -1,0 +1,77 @@
+//! The core's inputs. Every input arrives together with the time it happened.
+
+use std::time::Duration;
+
+/// Something that happened in the world, told to the core by the IO layer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Event {
+    /// The engine answered its start-up calls; `identity` is its self-description.
+    EngineReady {
+        /// The engine's identity (for TensorRT-LLM, built from GetServerInfo and GetModelInfo).
+        identity: String,
+    },
+    /// The oldest outstanding `Register` action succeeded.
+    Registered,
+    /// The oldest outstanding `Register` action failed; nothing was written.
+    RegistrationFailed {
+        /// What the discovery backend said.
+        error: String,
+    },
+    /// Discovery dropped our record on its own (an etcd lease expired).
+    RegistrationLost,
+    /// The oldest outstanding `Withdraw` action succeeded: the record is gone.
+    Withdrawn,
+    /// The oldest outstanding `Withdraw` action failed; the record may still be there.
+    WithdrawFailed {
+        /// What the discovery backend said.
+        error: String,
+    },
+    /// Something the liveness Watch reported (see [`LivenessObservation`]).
+    Liveness(LivenessObservation),
+    /// The stale-load probe got a fresh answer from the engine.
+    ProbeSucceeded,
+    /// The stale-load probe got no fresh answer (error, timeout, or a non-fresh reply).
+    ProbeFailed {
+        /// Why the answer was not fresh.
+        error: String,
+    },
+    /// The probe re-read the engine's identity.
+    IdentityObserved {
+        /// The identity now answering on the engine's port.
+        identity: String,
+    },
+    /// SIGTERM or SIGINT.
+    ShutdownSignal,
+    /// The number of forwarded calls in flight changed.
+    InFlightChanged {
+        /// Calls admitted and not yet ended.
+        count: u64,
+    },
+    /// A deadline from `poll_timeout` may have passed. Early firings are no-ops.
+    TimerFired,
+}
+
+/// One thing seen on the `grpc.health.v1.Health/Watch` stream for the liveness service.
+///
+/// The IO layer reports what it saw, raw; the core's [`crate::liveness`] decides what it means.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum LivenessObservation {
+    /// A message with this raw `ServingStatus` value (read as `i32`, so values this
+    /// build does not know are not folded into UNKNOWN).
+    Status(i32),
+    /// The stream ended with status OK, or without trailers.
+    StreamEnded,
+    /// The RPC or the stream failed with a gRPC status (transport errors, resets and
+    /// keepalive timeouts arrive as UNKNOWN or UNAVAILABLE).
+    StreamFailed {
+        /// The gRPC status code as a number (0..=16).
+        code: i32,
+        /// The status message.
+        message: String,
+    },
+    /// No first message arrived within the connect-attempt timeout.
+    NotOpened {
+        /// How long the IO layer waited.
+        waited: Duration,
+    },
+}

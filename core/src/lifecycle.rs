@@ -1,0 +1,236 @@
+//! The public face of the state machine: inputs in, actions and deadlines out.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+
+use statig::blocking::{IntoStateMachineExt, StateMachine};
+
+use crate::action::{Action, Admission, ExitCode, Health};
+use crate::config::Config;
+use crate::event::Event;
+use crate::machine::{self, State, Step, Worker};
+use crate::time::Time;
+
+/// The lifecycle state as operators and tests see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Waiting for the engine and the first registration.
+    Starting,
+    /// Registered and admitting calls.
+    Serving,
+    /// Shutting down after a signal.
+    Draining,
+    /// Shutting down after an engine loss.
+    Lost,
+    /// Done; the process exits with this code.
+    Exited(ExitCode),
+}
+
+impl Phase {
+    /// The state's name, as in the design and the diagram.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Phase::Starting => "Starting",
+            Phase::Serving => "Serving",
+            Phase::Draining => "Draining",
+            Phase::Lost => "Lost",
+            Phase::Exited(_) => "Exited",
+        }
+    }
+}
+
+/// Upper bound on deadlines handled in one step; each handled deadline is
+/// consumed or moved, so a correct machine needs a handful at most.
+const MAX_DEADLINES_PER_STEP: usize = 32;
+
+/// The lifecycle state machine of one sidecar worker.
+///
+/// Call order: `handle_event`/`handle_timeout`, then `poll_action` until
+/// `None`, then `poll_timeout`. See the crate documentation.
+#[derive(Clone)]
+pub struct Lifecycle {
+    machine: StateMachine<Worker>,
+    step: Step,
+}
+
+impl std::fmt::Debug for Lifecycle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lifecycle")
+            .field("state", self.machine.state())
+            .field("worker", self.machine.inner())
+            .field("now", &self.step.now)
+            .finish()
+    }
+}
+
+impl Lifecycle {
+    /// A worker that starts up at `now`; the startup deadline counts from here.
+    pub fn new(config: Config, now: Time) -> Self {
+        let mut machine = Worker::new(config, now).state_machine();
+        let mut step = Step {
+            now,
+            outbox: Default::default(),
+        };
+        machine.init_with_context(&mut step);
+        Lifecycle { machine, step }
+    }
+
+    /// Feeds one input that happened at `now`.
+    ///
+    /// `now` earlier than a previous input's is treated as that earlier time:
+    /// the core's clock never runs backwards.
+    pub fn handle_event(&mut self, now: Time, event: Event) {
+        self.advance(now);
+        if event != Event::TimerFired {
+            self.machine.handle_with_context(&event, &mut self.step);
+        }
+        self.fire_due();
+    }
+
+    /// Tells the core that time is now `now`; handles every deadline that is due.
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.advance(now);
+    }
+
+    /// The next action to perform, oldest first.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.step.outbox.pop_front()
+    }
+
+    /// The earliest deadline the core waits for, and why. `None` once exited.
+    ///
+    /// Always later than the time of the last input: due deadlines are handled
+    /// within the step that reached them.
+    pub fn poll_timeout(&self) -> Option<(Time, &'static str)> {
+        machine::next_deadline(self.machine.inner(), self.machine.state())
+    }
+
+    /// The current state.
+    pub fn phase(&self) -> Phase {
+        match self.machine.state() {
+            State::Starting { .. } => Phase::Starting,
+            State::Serving {} => Phase::Serving,
+            State::Draining { .. } => Phase::Draining,
+            State::Lost { .. } => Phase::Lost,
+            State::Exited { code } => Phase::Exited(*code),
+        }
+    }
+
+    /// Whether new calls are admitted.
+    pub fn admission(&self) -> Admission {
+        self.machine.inner().admission
+    }
+
+    /// The sidecar's own health: SERVING exactly in Serving.
+    pub fn health(&self) -> Health {
+        match self.phase() {
+            Phase::Serving => Health::Serving,
+            Phase::Starting | Phase::Draining | Phase::Lost | Phase::Exited(_) => {
+                Health::NotServing
+            }
+        }
+    }
+
+    /// When the current state was entered.
+    pub fn since(&self) -> Time {
+        self.machine.inner().since
+    }
+
+    /// Why the worker is shutting down or exited (loss reason, signal, start-up failure).
+    pub fn reason(&self) -> Option<&str> {
+        self.machine.inner().reason.as_deref()
+    }
+
+    /// The engine identity read at start-up.
+    pub fn engine_identity(&self) -> Option<&str> {
+        self.machine.inner().identity.as_deref()
+    }
+
+    /// Calls in flight, as last reported.
+    pub fn in_flight(&self) -> u64 {
+        self.machine.inner().in_flight
+    }
+
+    /// The time of the last input.
+    pub fn now(&self) -> Time {
+        self.step.now
+    }
+
+    /// The settings this machine runs with.
+    pub fn config(&self) -> &Config {
+        &self.machine.inner().config
+    }
+
+    /// A hash of everything that decides future behaviour, with every stored
+    /// time taken relative to [`Lifecycle::now`]. Two machines with equal
+    /// fingerprints (and empty outboxes) answer the same inputs, shifted in
+    /// time, with the same actions: model checkers use it to merge states.
+    pub fn fingerprint(&self) -> u64 {
+        let now = self.step.now;
+        let rel = |t: Time| -> i128 {
+            t.since_origin().as_nanos() as i128 - now.since_origin().as_nanos() as i128
+        };
+        let w = self.machine.inner();
+        let mut h = DefaultHasher::new();
+        match self.machine.state() {
+            State::Starting { abort } => {
+                0u8.hash(&mut h);
+                abort.map(|a| (a.code, rel(a.deadline))).hash(&mut h);
+            }
+            State::Serving {} => 1u8.hash(&mut h),
+            State::Draining {
+                admission_closes_at,
+                drain_deadline,
+            } => {
+                2u8.hash(&mut h);
+                (rel(*admission_closes_at), rel(*drain_deadline)).hash(&mut h);
+            }
+            State::Lost {
+                reason,
+                drain_deadline,
+            } => {
+                3u8.hash(&mut h);
+                (reason, rel(*drain_deadline)).hash(&mut h);
+            }
+            State::Exited { code } => {
+                4u8.hash(&mut h);
+                code.hash(&mut h);
+            }
+        }
+        rel(w.startup_deadline).hash(&mut h);
+        w.identity.hash(&mut h);
+        w.ledger.hash(&mut h);
+        w.retry_at.map(rel).hash(&mut h);
+        w.watch.hash(&mut h);
+        rel(w.last_fresh).hash(&mut h);
+        w.probe_failing.hash(&mut h);
+        w.loss_during_drain.hash(&mut h);
+        w.in_flight.hash(&mut h);
+        w.admission.hash(&mut h);
+        w.shutdown_code.hash(&mut h);
+        self.step.outbox.hash(&mut h);
+        h.finish()
+    }
+
+    fn advance(&mut self, now: Time) {
+        if now > self.step.now {
+            self.step.now = now;
+        }
+        self.fire_due();
+    }
+
+    /// Handles every deadline at or before now, earliest first.
+    fn fire_due(&mut self) {
+        for _ in 0..MAX_DEADLINES_PER_STEP {
+            match self.poll_timeout() {
+                Some((at, _)) if at <= self.step.now => {
+                    self.machine
+                        .handle_with_context(&Event::TimerFired, &mut self.step);
+                }
+                Some(_) | None => return,
+            }
+        }
+        // Every handled deadline is consumed or moved; reaching this is a bug in
+        // the machine, reported by the invariant checkers (a deadline left due).
+    }
+}

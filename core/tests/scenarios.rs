@@ -1,0 +1,346 @@
+//! The lifecycle paths of DESIGN §2, one readable scenario each. The property
+//! tests, the explorer and the fuzzer check the invariants on every path; these
+//! pin the exact actions and lines of the common ones.
+
+use std::time::Duration;
+
+use llm_sidecar_core::{
+    Action, Admission, Config, Event, ExitCode, Health, Level, Lifecycle, LivenessObservation,
+    Phase, Time,
+};
+
+fn config() -> Config {
+    Config {
+        engine_display_name: "TensorRT-LLM".into(),
+        liveness_service: "liveness".into(),
+        instance_id: 0xabc,
+        retry_interval: Duration::from_secs(1),
+        startup_deadline: Duration::from_secs(60),
+        stale_after: Duration::from_secs(30),
+        router_grace: Duration::from_secs(5),
+        drain_timeout: Duration::from_secs(20),
+    }
+}
+
+fn secs(s: u64) -> Time {
+    Time::from_millis(s * 1000)
+}
+
+struct Driver {
+    lc: Lifecycle,
+}
+
+impl Driver {
+    fn new() -> Self {
+        let mut lc = Lifecycle::new(config(), Time::ZERO);
+        assert_eq!(lc.poll_action(), None);
+        Driver { lc }
+    }
+
+    fn feed(&mut self, at: Time, event: Event) -> Vec<Action> {
+        self.lc.handle_event(at, event);
+        std::iter::from_fn(|| self.lc.poll_action()).collect()
+    }
+
+    fn tick(&mut self, at: Time) -> Vec<Action> {
+        self.lc.handle_timeout(at);
+        std::iter::from_fn(|| self.lc.poll_action()).collect()
+    }
+
+    fn serving(&mut self) {
+        self.feed(
+            secs(1),
+            Event::EngineReady {
+                identity: "trtllm 1.0".into(),
+            },
+        );
+        self.feed(secs(1), Event::Registered);
+        assert_eq!(self.lc.phase(), Phase::Serving);
+    }
+}
+
+fn without_logs(actions: &[Action]) -> Vec<Action> {
+    actions
+        .iter()
+        .filter(|a| !matches!(a, Action::Log { .. }))
+        .cloned()
+        .collect()
+}
+
+fn lines(actions: &[Action], level: Level) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Log { level: l, message } if *l == level => Some(message.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn engine_ready_then_registered_starts_serving() {
+    let mut d = Driver::new();
+    let a = d.feed(
+        secs(1),
+        Event::EngineReady {
+            identity: "id".into(),
+        },
+    );
+    assert_eq!(without_logs(&a), vec![Action::Register]);
+    assert_eq!(d.lc.phase(), Phase::Starting);
+    let a = d.feed(secs(1), Event::Registered);
+    assert_eq!(
+        without_logs(&a),
+        vec![
+            Action::SetAdmission(Admission::Open),
+            Action::SetHealth(Health::Serving),
+            Action::StartMonitors
+        ]
+    );
+    assert_eq!(d.lc.health(), Health::Serving);
+}
+
+#[test]
+fn liveness_not_serving_withdraws_at_once_and_exits_1_after_the_withdrawal() {
+    let mut d = Driver::new();
+    d.serving();
+    let a = d.feed(secs(2), Event::Liveness(LivenessObservation::Status(2)));
+    assert_eq!(
+        lines(&a, Level::Error),
+        vec!["TensorRT-LLM engine lost: liveness reported NOT_SERVING (instance abc)"]
+    );
+    assert_eq!(
+        without_logs(&a),
+        vec![
+            Action::SetHealth(Health::NotServing),
+            Action::Withdraw,
+            Action::SetAdmission(Admission::Closed),
+            Action::StopMonitors
+        ]
+    );
+    assert_eq!(d.lc.phase(), Phase::Lost);
+    let a = d.feed(secs(2), Event::Withdrawn);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::EngineLost)]);
+}
+
+#[test]
+fn lost_waits_for_in_flight_calls_then_cancels_them_at_the_drain_deadline() {
+    let mut d = Driver::new();
+    d.serving();
+    d.feed(secs(2), Event::InFlightChanged { count: 3 });
+    d.feed(secs(3), Event::Liveness(LivenessObservation::StreamEnded));
+    d.feed(secs(3), Event::Withdrawn);
+    assert_eq!(d.lc.phase(), Phase::Lost);
+    assert_eq!(d.lc.poll_timeout(), Some((secs(23), "drain deadline")));
+    assert!(d.tick(secs(22)).is_empty(), "early timer is a no-op");
+    let a = d.tick(secs(23));
+    assert_eq!(
+        without_logs(&a),
+        vec![Action::CancelInFlight, Action::Exit(ExitCode::EngineLost)]
+    );
+}
+
+#[test]
+fn sigterm_withdraws_keeps_admitting_for_the_grace_then_drains_and_exits_0() {
+    let mut d = Driver::new();
+    d.serving();
+    d.feed(secs(10), Event::InFlightChanged { count: 1 });
+    let a = d.feed(secs(10), Event::ShutdownSignal);
+    assert_eq!(
+        without_logs(&a),
+        vec![Action::SetHealth(Health::NotServing), Action::Withdraw]
+    );
+    assert_eq!(d.lc.admission(), Admission::Open);
+    d.feed(secs(10), Event::Withdrawn);
+    assert_eq!(d.lc.poll_timeout(), Some((secs(15), "router grace")));
+    let a = d.tick(secs(15));
+    assert_eq!(
+        without_logs(&a),
+        vec![Action::SetAdmission(Admission::Closed)]
+    );
+    let a = d.feed(secs(16), Event::InFlightChanged { count: 0 });
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::Clean)]);
+}
+
+#[test]
+fn a_loss_during_the_drain_is_a_warning_and_the_exit_code_stays_0() {
+    let mut d = Driver::new();
+    d.serving();
+    d.feed(secs(10), Event::ShutdownSignal);
+    let a = d.feed(secs(11), Event::Liveness(LivenessObservation::Status(2)));
+    assert_eq!(
+        lines(&a, Level::Warn),
+        vec![
+            "TensorRT-LLM engine lost during drain: liveness reported NOT_SERVING (instance abc); exit code stays 0"
+        ]
+    );
+    assert_eq!(d.lc.phase(), Phase::Draining);
+    d.feed(secs(11), Event::Withdrawn);
+    let a = d.tick(secs(15));
+    assert_eq!(
+        without_logs(&a),
+        vec![
+            Action::SetAdmission(Admission::Closed),
+            Action::Exit(ExitCode::Clean)
+        ]
+    );
+}
+
+#[test]
+fn shutdown_before_the_engine_is_ready_exits_0_with_nothing_registered() {
+    let mut d = Driver::new();
+    let a = d.feed(secs(1), Event::ShutdownSignal);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::Clean)]);
+}
+
+#[test]
+fn shutdown_while_the_first_register_is_in_flight_withdraws_before_exiting() {
+    let mut d = Driver::new();
+    d.feed(
+        secs(1),
+        Event::EngineReady {
+            identity: "id".into(),
+        },
+    );
+    let a = d.feed(secs(1), Event::ShutdownSignal);
+    assert_eq!(without_logs(&a), vec![Action::Withdraw]);
+    assert!(without_logs(&d.feed(secs(1), Event::Registered)).is_empty());
+    let a = d.feed(secs(1), Event::Withdrawn);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::Clean)]);
+}
+
+#[test]
+fn startup_deadline_exits_3() {
+    let mut d = Driver::new();
+    assert_eq!(d.lc.poll_timeout(), Some((secs(60), "startup deadline")));
+    let a = d.tick(secs(60));
+    assert_eq!(
+        lines(&a, Level::Error),
+        vec!["startup deadline of 1m passed: the TensorRT-LLM engine was not ready"]
+    );
+    assert_eq!(
+        without_logs(&a),
+        vec![Action::Exit(ExitCode::StartupFailed)]
+    );
+}
+
+#[test]
+fn failed_registration_is_retried_every_retry_interval_until_the_deadline() {
+    let mut d = Driver::new();
+    d.feed(
+        secs(1),
+        Event::EngineReady {
+            identity: "id".into(),
+        },
+    );
+    d.feed(
+        secs(1),
+        Event::RegistrationFailed {
+            error: "read-only".into(),
+        },
+    );
+    assert_eq!(d.lc.poll_timeout(), Some((secs(2), "discovery retry")));
+    assert_eq!(without_logs(&d.tick(secs(2))), vec![Action::Register]);
+    d.feed(secs(2), Event::Registered);
+    assert_eq!(d.lc.phase(), Phase::Serving);
+}
+
+#[test]
+fn stale_load_is_a_loss_after_the_window() {
+    let mut d = Driver::new();
+    d.serving();
+    d.feed(secs(5), Event::ProbeSucceeded);
+    let a = d.feed(
+        secs(6),
+        Event::ProbeFailed {
+            error: "stalled".into(),
+        },
+    );
+    assert_eq!(lines(&a, Level::Warn).len(), 1);
+    assert!(
+        lines(
+            &d.feed(
+                secs(7),
+                Event::ProbeFailed {
+                    error: "stalled".into()
+                }
+            ),
+            Level::Warn
+        )
+        .is_empty()
+    );
+    assert_eq!(d.lc.poll_timeout(), Some((secs(35), "stale-load window")));
+    let a = d.tick(secs(35));
+    assert_eq!(
+        lines(&a, Level::Error),
+        vec!["TensorRT-LLM engine lost: routing load stale for 30s (instance abc)"]
+    );
+}
+
+#[test]
+fn a_new_identity_is_a_loss() {
+    let mut d = Driver::new();
+    d.serving();
+    assert!(
+        d.feed(
+            secs(2),
+            Event::IdentityObserved {
+                identity: "trtllm 1.0".into()
+            }
+        )
+        .is_empty()
+    );
+    let a = d.feed(
+        secs(3),
+        Event::IdentityObserved {
+            identity: "trtllm 2.0".into(),
+        },
+    );
+    assert_eq!(
+        lines(&a, Level::Error),
+        vec![
+            "TensorRT-LLM engine lost: new engine identity trtllm 1.0 -> trtllm 2.0 (instance abc)"
+        ]
+    );
+}
+
+#[test]
+fn unsupported_liveness_warns_once_and_keeps_serving() {
+    let mut d = Driver::new();
+    d.serving();
+    let a = d.feed(
+        secs(2),
+        Event::Liveness(LivenessObservation::StreamFailed {
+            code: 12,
+            message: "unimplemented".into(),
+        }),
+    );
+    assert_eq!(lines(&a, Level::Warn).len(), 1);
+    assert_eq!(d.lc.phase(), Phase::Serving);
+}
+
+#[test]
+fn lost_lease_is_registered_again() {
+    let mut d = Driver::new();
+    d.serving();
+    let a = d.feed(secs(2), Event::RegistrationLost);
+    assert_eq!(without_logs(&a), vec![Action::Register]);
+    d.feed(secs(2), Event::Registered);
+    assert_eq!(d.lc.phase(), Phase::Serving);
+}
+
+#[test]
+fn exited_absorbs_everything() {
+    let mut d = Driver::new();
+    d.feed(secs(1), Event::ShutdownSignal);
+    for e in [
+        Event::ShutdownSignal,
+        Event::Registered,
+        Event::EngineReady {
+            identity: "x".into(),
+        },
+    ] {
+        assert!(d.feed(secs(2), e).is_empty());
+    }
+    assert_eq!(d.lc.poll_timeout(), None);
+}

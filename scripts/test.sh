@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: formatting, lints, every workspace test
+# (unit, property, exhaustive, fuzz-corpus replay, process tests against the
+# real binary), then the loom model in its own build.
+#
+# Installs what the tests need on a fresh Debian machine when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n==> %s\n' "$*"; }
+
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "installing ${need_apt[*]}"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+fi
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+
+log "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+log "cargo test --workspace"
+cargo test --workspace --locked
+
+log "loom model of the admission gate (own build, --cfg loom, preemption bound ${LOOM_MAX_PREEMPTIONS:=3})"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS="$LOOM_MAX_PREEMPTIONS" \
+  cargo test -p llm-sidecar-proptests --test loom --release --locked -- --nocapture --test-threads 1
+
+log "all tests passed"
