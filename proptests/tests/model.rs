@@ -382,9 +382,6 @@ impl StateMachineTest for Real {
 prop_state_machine! {
     #![proptest_config(ProptestConfig {
         cases: 5000,
-        failure_persistence: Some(Box::new(
-            proptest::test_runner::FileFailurePersistence::WithSource("regressions"),
-        )),
         .. ProptestConfig::default()
     })]
 
