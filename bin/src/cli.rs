@@ -1,0 +1,428 @@
+//! Command-line interface: flags, their environment variables, and the
+//! subcommands' entry points. Every flag of `run` can also be set through
+//! `SIDECAR_<FLAG_IN_UPPER_SNAKE>`; flags win over the environment.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, FileDiscovery, Listed};
+use llm_sidecar_io::engine::{EngineKind, EngineProfile};
+use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_duration, parse_host_port};
+use tokio::sync::mpsc;
+
+/// Exit code for bad usage or configuration (nothing was contacted).
+pub const EXIT_USAGE: i32 = 2;
+
+/// An engine sidecar for LLM serving.
+///
+/// Runs beside an inference engine (TensorRT-LLM), registers it in discovery,
+/// follows its health, and withdraws it the moment the engine is lost.
+#[derive(Debug, Parser)]
+#[command(name = "llm-sidecar", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the sidecar beside an engine (the production job).
+    ///
+    /// Waits for the engine, reads its model and server info, registers the
+    /// worker in discovery, and follows the engine's liveness, load freshness,
+    /// identity and HTTP/2 keepalive. Engine lost: withdraw, drain, exit 1.
+    /// SIGTERM/SIGINT: withdraw, router grace, drain, exit 0. Start-up not done
+    /// by --startup-deadline: exit 3. Bad flags: exit 2, nothing contacted.
+    Run(Box<RunArgs>),
+    /// Run a CPU-only fake TensorRT-LLM engine (for tests and demos).
+    MockEngine(MockArgs),
+    /// List the workers registered in discovery.
+    Instances(InstancesArgs),
+}
+
+impl Cli {
+    /// The log format the chosen subcommand asked for.
+    pub fn log_format(&self) -> LogFormat {
+        match &self.command {
+            Command::Run(a) => a.log_format,
+            Command::MockEngine(a) => a.log_format,
+            Command::Instances(_) => LogFormat::Text,
+        }
+    }
+}
+
+/// How log lines are written (to stderr).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Engines the sidecar can watch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineKindArg {
+    /// NVIDIA TensorRT-LLM (trtllm.TrtllmService; liveness service "liveness").
+    Trtllm,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+}
+
+/// Flags of `llm-sidecar run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The engine's gRPC address (host:port).
+    #[arg(
+        long,
+        env = "SIDECAR_ENGINE_ENDPOINT",
+        default_value = "127.0.0.1:50051"
+    )]
+    pub engine_endpoint: String,
+    /// Which engine runs beside the sidecar.
+    #[arg(
+        long,
+        env = "SIDECAR_ENGINE_KIND",
+        value_enum,
+        default_value = "trtllm"
+    )]
+    pub engine_kind: EngineKindArg,
+    /// Where clients (routers, gateways) call the sidecar (host:port to bind).
+    #[arg(long, env = "SIDECAR_LISTEN", default_value = "127.0.0.1:50061")]
+    pub listen: SocketAddr,
+    /// The address written to discovery for clients to call (default: --listen).
+    #[arg(long, env = "SIDECAR_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Admin HTTP server: /live, /ready, /state, /metrics. Keep it on loopback
+    /// unless something outside the pod must scrape it.
+    #[arg(long, env = "SIDECAR_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    pub admin_listen: SocketAddr,
+    /// Where the worker is registered: file:<dir> (embedded, one JSON file per
+    /// worker) or etcd://host:port[,host:port...].
+    #[arg(
+        long,
+        env = "SIDECAR_DISCOVERY",
+        default_value = "file:.llm-sidecar/discovery"
+    )]
+    pub discovery: String,
+    /// Discovery key: namespace.
+    #[arg(long, env = "SIDECAR_NAMESPACE", default_value = "dynamo")]
+    pub namespace: String,
+    /// Discovery key: component.
+    #[arg(long, env = "SIDECAR_COMPONENT", default_value = "backend")]
+    pub component: String,
+    /// Discovery key: endpoint.
+    #[arg(long, env = "SIDECAR_ENDPOINT", default_value = "generate")]
+    pub endpoint: String,
+    /// The grpc.health.v1 service watched for liveness (default: the engine's,
+    /// "liveness" for TensorRT-LLM).
+    #[arg(long, env = "SIDECAR_LIVENESS_SERVICE")]
+    pub liveness_service: Option<String>,
+    /// Bound on one connect attempt, one start-up call, one discovery write, and
+    /// the wait for the liveness Watch's first message.
+    #[arg(long, env = "SIDECAR_CONNECT_ATTEMPT_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub connect_attempt_timeout: Duration,
+    /// Pause between start-up attempts and between retries of a failed discovery write.
+    #[arg(long, env = "SIDECAR_RETRY_INTERVAL", default_value = "1s", value_parser = duration)]
+    pub retry_interval: Duration,
+    /// Start-up (engine ready and registered) must complete within this; else exit 3.
+    #[arg(long, env = "SIDECAR_STARTUP_DEADLINE", default_value = "30m", value_parser = duration)]
+    pub startup_deadline: Duration,
+    /// HTTP/2 keepalive ping interval on the engine connection. Must be above
+    /// 10s: engines answer more frequent pings with GOAWAY "too many pings".
+    #[arg(long, env = "SIDECAR_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = duration)]
+    pub keepalive_interval: Duration,
+    /// How long a keepalive ping may go unanswered before the connection (and
+    /// the engine) counts as dead.
+    #[arg(long, env = "SIDECAR_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub keepalive_timeout: Duration,
+    /// How often the stale-load probe (HealthCheck) and the identity re-read run.
+    #[arg(long, env = "SIDECAR_PROBE_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub probe_interval: Duration,
+    /// No fresh probe answer for this long means the engine is lost (wedged).
+    #[arg(long, env = "SIDECAR_STALE_AFTER", default_value = "30s", value_parser = duration)]
+    pub stale_after: Duration,
+    /// After SIGTERM, keep admitting calls this long (routers may not yet have
+    /// seen the withdrawal).
+    #[arg(long, env = "SIDECAR_ROUTER_GRACE", default_value = "5s", value_parser = duration)]
+    pub router_grace: Duration,
+    /// Once admission is closed, in-flight calls may take this long; the rest are cut.
+    #[arg(long, env = "SIDECAR_DRAIN_TIMEOUT", default_value = "20s", value_parser = duration)]
+    pub drain_timeout: Duration,
+    /// TTL of the etcd lease behind the record (kept alive at TTL/3).
+    #[arg(long, env = "SIDECAR_LEASE_TTL", default_value = "10s", value_parser = duration)]
+    pub lease_ttl: Duration,
+    /// Log format (stderr).
+    #[arg(long, env = "SIDECAR_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl RunArgs {
+    /// Checks every flag and builds the settings, or says what is wrong.
+    pub fn into_config(self) -> Result<RunConfig, ConfigError> {
+        let engine = EngineProfile::of(match self.engine_kind {
+            EngineKindArg::Trtllm => EngineKind::Trtllm,
+        });
+        let timings = Timings {
+            connect_attempt_timeout: self.connect_attempt_timeout,
+            retry_interval: self.retry_interval,
+            startup_deadline: self.startup_deadline,
+            keepalive_interval: self.keepalive_interval,
+            keepalive_timeout: self.keepalive_timeout,
+            probe_interval: self.probe_interval,
+            stale_after: self.stale_after,
+            router_grace: self.router_grace,
+            drain_timeout: self.drain_timeout,
+            lease_ttl: self.lease_ttl,
+        };
+        timings.check()?;
+        let advertise = match self.advertise {
+            Some(a) => parse_host_port("--advertise", &a)?,
+            None => self.listen.to_string(),
+        };
+        let liveness_service = self
+            .liveness_service
+            .unwrap_or_else(|| engine.default_liveness_service().to_string());
+        Ok(RunConfig {
+            engine_endpoint: parse_host_port("--engine-endpoint", &self.engine_endpoint)?,
+            engine,
+            listen: self.listen,
+            advertise,
+            admin_listen: self.admin_listen,
+            discovery: DiscoveryUri::parse(&self.discovery)?,
+            namespace: llm_sidecar_io::config::parse_key_segment("--namespace", &self.namespace)?,
+            component: llm_sidecar_io::config::parse_key_segment("--component", &self.component)?,
+            endpoint: llm_sidecar_io::config::parse_key_segment("--endpoint", &self.endpoint)?,
+            liveness_service,
+            timings,
+        })
+    }
+}
+
+/// Flags of `llm-sidecar mock-engine`.
+#[derive(Debug, Args)]
+pub struct MockArgs {
+    /// gRPC listen address.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Control HTTP listen address (see the mock's control paths in the docs).
+    #[arg(long, default_value = "127.0.0.1:50052")]
+    pub control_listen: SocketAddr,
+    /// Model id reported by GetModelInfo.
+    #[arg(long, default_value = "mock/llama-3-8b-instruct")]
+    pub model_id: String,
+    /// Version reported by GetServerInfo.
+    #[arg(long, default_value = "1.0.0-mock")]
+    pub engine_version: String,
+    /// Backend reported by GetServerInfo.
+    #[arg(long, default_value = "pytorch")]
+    pub backend: String,
+    /// Max input length reported by GetModelInfo.
+    #[arg(long, default_value_t = 4096)]
+    pub max_input_len: i32,
+    /// Max sequence length reported by GetModelInfo.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: i32,
+    /// Delay before each generated token.
+    #[arg(long, default_value = "0ms", value_parser = duration)]
+    pub token_delay: Duration,
+    /// Serve no grpc.health.v1 at all (like an older engine).
+    #[arg(long, conflicts_with = "liveness_unregistered")]
+    pub no_health: bool,
+    /// Serve grpc.health.v1 without the liveness service until the control endpoint sets it.
+    #[arg(long)]
+    pub liveness_unregistered: bool,
+    /// Log format (stderr).
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Flags of `llm-sidecar instances`.
+#[derive(Debug, Args)]
+pub struct InstancesArgs {
+    /// Where to look: file:<dir> or etcd://host:port[,...].
+    #[arg(
+        long,
+        env = "SIDECAR_DISCOVERY",
+        default_value = "file:.llm-sidecar/discovery"
+    )]
+    pub discovery: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Sets up tracing to stderr; `RUST_LOG` overrides the default `info`.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,h2=warn,hyper=warn,tower=warn")
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// One item per SIGTERM or SIGINT, for as long as the process runs.
+fn shutdown_signals() -> mpsc::UnboundedReceiver<()> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!(
+                "cannot install SIGTERM/SIGINT handlers; stop the sidecar with SIGKILL"
+            );
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            if tx.send(()).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// `llm-sidecar run`.
+pub fn run(args: RunArgs) -> i32 {
+    let config = match args.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    runtime().block_on(async move {
+        match llm_sidecar_io::run(config, shutdown_signals()).await {
+            Ok(code) => code.as_i32(),
+            Err(e) => {
+                tracing::error!("{e}");
+                EXIT_USAGE
+            }
+        }
+    })
+}
+
+/// `llm-sidecar mock-engine`.
+pub fn mock_engine(args: MockArgs) -> i32 {
+    use llm_sidecar_mock_engine::{HealthMode, MockConfig};
+    let config = MockConfig {
+        listen: args.listen,
+        control_listen: args.control_listen,
+        model_id: args.model_id,
+        version: args.engine_version,
+        backend: args.backend,
+        max_input_len: args.max_input_len,
+        max_seq_len: args.max_seq_len,
+        token_delay: args.token_delay,
+        health: if args.no_health {
+            HealthMode::Absent
+        } else if args.liveness_unregistered {
+            HealthMode::LivenessUnregistered
+        } else {
+            HealthMode::Full
+        },
+    };
+    runtime().block_on(async move {
+        let mut signals = shutdown_signals();
+        let shutdown = async move {
+            signals.recv().await;
+        };
+        match llm_sidecar_mock_engine::run(config, shutdown).await {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("{e}");
+                EXIT_USAGE
+            }
+        }
+    })
+}
+
+/// `llm-sidecar instances`.
+pub fn instances(args: InstancesArgs) -> i32 {
+    let uri = match DiscoveryUri::parse(&args.discovery) {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let dir: PathBuf = match uri {
+        DiscoveryUri::File(dir) => dir,
+        DiscoveryUri::Etcd(_) => {
+            eprintln!("error: etcd discovery is not in this build yet; use file:<dir>");
+            return EXIT_USAGE;
+        }
+    };
+    let listed = match runtime().block_on(FileDiscovery::new(dir.clone()).list()) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", dir.display());
+            return 1;
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&listed).unwrap_or_else(|_| "[]".into())
+        );
+        return 0;
+    }
+    if listed.is_empty() {
+        println!("no instances registered in file:{}", dir.display());
+        return 0;
+    }
+    println!(
+        "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} REGISTERED",
+        "INSTANCE", "ENGINE", "ADDRESS", "PID", "MODEL", "VERSION"
+    );
+    for entry in &listed {
+        match &entry.content {
+            Listed::Record(r) => println!(
+                "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} {}",
+                r.instance_id,
+                r.engine.kind,
+                r.address,
+                r.pid,
+                r.model.name,
+                r.engine.version,
+                r.registered_at
+            ),
+            Listed::Invalid { error } => {
+                println!("{:<18} invalid record at {}: {error}", "-", entry.key)
+            }
+        }
+    }
+    0
+}

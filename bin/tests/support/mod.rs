@@ -1,0 +1,309 @@
+//! Process-test support: the real `llm-sidecar` binary (sidecar and mock
+//! engine) on loopback, file discovery in a temporary directory, and what an
+//! operator would look at: the record, the exit code, the log lines.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Generous bound for waits that only exist to stop a hang.
+pub const HANG: Duration = Duration::from_secs(30);
+
+pub fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_llm-sidecar")
+}
+
+/// A loopback address with a port nobody listens on right now.
+pub fn free_addr() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+/// A directory removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "llm-sidecar-test-{}-{}-{name}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Polls `check` until it is true; panics with `what` after `limit`.
+pub fn wait_until(limit: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `GET path` over HTTP/1.0; returns (status, body). `None` if nothing answers.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let status = raw.split_whitespace().nth(1)?.parse().ok()?;
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// A child process whose stderr goes to a log file; killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub log: PathBuf,
+    pub status: Option<ExitStatus>,
+}
+
+impl Proc {
+    pub fn spawn(args: &[String], log: PathBuf) -> Self {
+        let file = std::fs::File::create(&log).expect("create log file");
+        let child = Command::new(binary())
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn llm-sidecar");
+        Proc {
+            child,
+            log,
+            status: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{sig}"), self.pid().to_string()])
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(ok, "kill -{sig} {} failed", self.pid());
+    }
+
+    /// Still running?
+    pub fn running(&mut self) -> bool {
+        if self.status.is_some() {
+            return false;
+        }
+        match self.child.try_wait().expect("try_wait") {
+            Some(s) => {
+                self.status = Some(s);
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// Waits for the exit; returns the exit code.
+    pub fn wait_exit(&mut self, limit: Duration) -> i32 {
+        wait_until(limit, "the process to exit", || !self.running());
+        self.status
+            .and_then(|s| s.code())
+            .expect("exited with a code, not a signal")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log_text().lines().map(str::to_string).collect()
+    }
+
+    /// Index of the first log line containing `needle`.
+    pub fn line_index(&self, needle: &str) -> Option<usize> {
+        self.log_lines().iter().position(|l| l.contains(needle))
+    }
+
+    pub fn wait_for_line(&self, needle: &str, limit: Duration) -> String {
+        let mut found = None;
+        wait_until(
+            limit,
+            &format!("log line {needle:?} in {}", self.log.display()),
+            || {
+                found = self.log_lines().into_iter().find(|l| l.contains(needle));
+                found.is_some()
+            },
+        );
+        found.unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.running() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The mock engine.
+pub struct Mock {
+    pub proc: Proc,
+    pub grpc: SocketAddr,
+    pub control: SocketAddr,
+}
+
+impl Mock {
+    pub fn start(dir: &Path, grpc: SocketAddr, extra: &[&str]) -> Self {
+        let control = free_addr();
+        let mut args = vec![
+            "mock-engine".to_string(),
+            "--listen".into(),
+            grpc.to_string(),
+            "--control-listen".into(),
+            control.to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let proc = Proc::spawn(&args, dir.join(format!("mock-{}.log", grpc.port())));
+        let mock = Mock {
+            proc,
+            grpc,
+            control,
+        };
+        wait_until(HANG, "the mock engine's control endpoint", || {
+            http_get(control, "/stats").is_some()
+        });
+        mock
+    }
+
+    pub fn control(&self, path: &str) -> String {
+        let (status, body) = http_get(self.control, path).expect("mock control answers");
+        assert_eq!(status, 200, "mock control {path}: {body}");
+        body
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        serde_json::from_str(&self.control("/stats")).expect("stats are JSON")
+    }
+}
+
+/// The sidecar under test, with file discovery in its own directory.
+pub struct Sidecar {
+    pub proc: Proc,
+    pub admin: SocketAddr,
+    pub listen: SocketAddr,
+    pub discovery: PathBuf,
+}
+
+/// Flags that keep tests quick without changing behaviour.
+pub const FAST: &[&str] = &[
+    "--retry-interval",
+    "200ms",
+    "--connect-attempt-timeout",
+    "3s",
+    "--probe-interval",
+    "500ms",
+    "--stale-after",
+    "5s",
+    "--router-grace",
+    "0s",
+    "--drain-timeout",
+    "5s",
+];
+
+impl Sidecar {
+    pub fn start(dir: &Path, engine: SocketAddr, extra: &[&str]) -> Self {
+        let admin = free_addr();
+        let listen = free_addr();
+        let discovery = dir.join("discovery");
+        let mut args = vec![
+            "run".to_string(),
+            "--engine-endpoint".into(),
+            engine.to_string(),
+            "--listen".into(),
+            listen.to_string(),
+            "--admin-listen".into(),
+            admin.to_string(),
+            "--discovery".into(),
+            format!("file:{}", discovery.display()),
+        ];
+        // The fast defaults, except those the test sets itself (clap refuses repeats).
+        for pair in FAST.chunks(2) {
+            if !extra.contains(&pair[0]) {
+                args.extend(pair.iter().map(|s| s.to_string()));
+            }
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let proc = Proc::spawn(&args, dir.join(format!("sidecar-{}.log", admin.port())));
+        Sidecar {
+            proc,
+            admin,
+            listen,
+            discovery,
+        }
+    }
+
+    /// Every record file under the discovery directory.
+    pub fn records(&self) -> Vec<PathBuf> {
+        fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    walk(&p, out);
+                } else if p.extension().is_some_and(|x| x == "json") {
+                    out.push(p);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.discovery, &mut out);
+        out
+    }
+
+    pub fn wait_for_record(&self, limit: Duration) -> PathBuf {
+        wait_until(limit, "the discovery record", || self.records().len() == 1);
+        self.records().remove(0)
+    }
+
+    pub fn record(&self, path: &Path) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(path).expect("read record")).expect("record is JSON")
+    }
+
+    pub fn state(&self) -> serde_json::Value {
+        let (_, body) = http_get(self.admin, "/state").expect("admin answers");
+        serde_json::from_str(&body).expect("state is JSON")
+    }
+
+    pub fn instance_id(&self) -> String {
+        self.state()["instance_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+}

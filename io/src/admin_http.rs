@@ -1,0 +1,166 @@
+//! A minimal HTTP/1.1 server for small, read-mostly endpoints: the sidecar's
+//! admin port and the mock engine's control port. Handlers are synchronous and
+//! cheap; anything slow belongs in a task they signal.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// One request, as handlers see it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// `GET`, `POST`, …
+    pub method: String,
+    /// The path, without the query.
+    pub path: String,
+    /// The query string's pairs, in order.
+    pub query: Vec<(String, String)>,
+}
+
+impl Request {
+    /// The first value of a query parameter.
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.query
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One response.
+#[derive(Debug, Clone)]
+pub struct Response {
+    /// HTTP status code.
+    pub status: u16,
+    /// Content type.
+    pub content_type: &'static str,
+    /// Body.
+    pub body: String,
+}
+
+impl Response {
+    /// `200` with a text body.
+    pub fn text(status: u16, body: impl Into<String>) -> Self {
+        Response {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: body.into(),
+        }
+    }
+
+    /// `200` with a JSON body.
+    pub fn json(status: u16, body: impl Into<String>) -> Self {
+        Response {
+            status,
+            content_type: "application/json",
+            body: body.into(),
+        }
+    }
+}
+
+/// What the server calls for each request.
+pub type Handler = Arc<dyn Fn(&Request) -> Response + Send + Sync>;
+
+fn decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match u8::from_str_radix(
+                    std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or(""),
+                    16,
+                ) {
+                    Ok(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Splits `a=1&b=two` into pairs, percent-decoded.
+pub fn parse_query(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| match pair.split_once('=') {
+            Some((k, v)) => (decode(k), decode(v)),
+            None => (decode(pair), String::new()),
+        })
+        .collect()
+}
+
+/// Serves `handler` on `listener` until `cancel` fires.
+pub async fn serve(listener: TcpListener, handler: Handler, cancel: CancellationToken) {
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let handler = handler.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let request = Request {
+                    method: req.method().as_str().to_string(),
+                    path: req.uri().path().to_string(),
+                    query: parse_query(req.uri().query().unwrap_or("")),
+                };
+                let response = handler(&request);
+                async move {
+                    let built = hyper::Response::builder()
+                        .status(response.status)
+                        .header("content-type", response.content_type)
+                        .body(Full::new(Bytes::from(response.body)));
+                    Ok::<_, Infallible>(built.unwrap_or_else(|_| {
+                        hyper::Response::new(Full::new(Bytes::from_static(b"internal error")))
+                    }))
+                }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .max_buf_size(16 * 1024)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                () = cancel.cancelled() => {}
+                _ = conn => {}
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queries_decode() {
+        assert_eq!(
+            parse_query("status=2&text=not%20ok&x"),
+            vec![
+                ("status".to_string(), "2".to_string()),
+                ("text".to_string(), "not ok".to_string()),
+                ("x".to_string(), String::new())
+            ]
+        );
+        assert_eq!(
+            parse_query("a=%zz&b=%4"),
+            vec![("a".into(), "%zz".into()), ("b".into(), "%4".into())]
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! Where workers are registered: the record, its key, and the backends.
+//!
+//! A backend implements [`Discovery`]. The driver calls it one write at a time,
+//! in order, and tells the core how each write went; a backend never retries on
+//! its own (the core decides retries) and reports a lost registration through
+//! the channel handed to [`Discovery::register`].
+
+mod file;
+
+use std::future::Future;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+pub use file::FileDiscovery;
+
+use crate::config::ConfigError;
+
+/// Which discovery backend, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoveryUri {
+    /// `file:<dir>`: one JSON file per worker under `dir`.
+    File(PathBuf),
+    /// `etcd://host:port[,host:port...]`: keys with leases in etcd.
+    Etcd(Vec<String>),
+}
+
+impl DiscoveryUri {
+    /// Parses `file:<dir>` or `etcd://host:port[,host:port...]`.
+    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+        let err = |message: &str| ConfigError::Discovery {
+            value: value.to_string(),
+            message: message.to_string(),
+        };
+        if let Some(dir) = value.strip_prefix("file:") {
+            let dir = dir.strip_prefix("//").unwrap_or(dir);
+            if dir.is_empty() {
+                return Err(err(
+                    "file: needs a directory, like file:.llm-sidecar/discovery",
+                ));
+            }
+            return Ok(DiscoveryUri::File(PathBuf::from(dir)));
+        }
+        if let Some(hosts) = value.strip_prefix("etcd://") {
+            let endpoints = hosts
+                .split(',')
+                .map(|h| crate::config::parse_host_port("--discovery", h.trim()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| err("etcd:// needs host:port[,host:port...]"))?;
+            return Ok(DiscoveryUri::Etcd(endpoints));
+        }
+        Err(err("use file:<dir> or etcd://host:port[,host:port...]"))
+    }
+}
+
+impl std::fmt::Display for DiscoveryUri {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DiscoveryUri::File(dir) => write!(f, "file:{}", dir.display()),
+            DiscoveryUri::Etcd(hosts) => write!(f, "etcd://{}", hosts.join(",")),
+        }
+    }
+}
+
+/// The engine as the record describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineRecord {
+    /// `trtllm`, `vllm`, `sglang`.
+    pub kind: String,
+    /// The engine's own version string.
+    pub version: String,
+    /// The identity the sidecar watches; a change means another engine answers.
+    pub identity: String,
+}
+
+/// The model as the record describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelRecord {
+    /// Model id or path.
+    pub name: String,
+    /// Maximum input length in tokens.
+    pub max_input_len: i64,
+    /// Maximum sequence length (input + output) in tokens.
+    pub max_seq_len: i64,
+}
+
+/// A worker's discovery record (DESIGN §5).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// The instance id, lowercase hex, as in the key.
+    pub instance_id: String,
+    /// Key segment: namespace.
+    pub namespace: String,
+    /// Key segment: component.
+    pub component: String,
+    /// Key segment: endpoint.
+    pub endpoint: String,
+    /// The request-plane address routers call, `host:port`.
+    pub address: String,
+    /// Always `grpc`.
+    pub transport: String,
+    /// The engine behind this worker.
+    pub engine: EngineRecord,
+    /// The model it serves.
+    pub model: ModelRecord,
+    /// The sidecar's process id.
+    pub pid: u32,
+    /// When this registration was written (RFC 3339).
+    pub registered_at: String,
+}
+
+impl Record {
+    /// `v1/instances/<namespace>/<component>/<endpoint>/<instance_id>`.
+    pub fn key(&self) -> String {
+        format!(
+            "v1/instances/{}/{}/{}/{}",
+            self.namespace, self.component, self.endpoint, self.instance_id
+        )
+    }
+}
+
+/// Why a discovery operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// The store could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// What was being written or removed.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend did not answer within the connect-attempt timeout.
+    #[error("no answer within {0}")]
+    Timeout(String),
+    /// The backend is not available in this build.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// A discovery backend. Calls come one at a time, in order.
+pub trait Discovery: Send + Sync + 'static {
+    /// Writes (or rewrites) the record. `lost` is where the backend reports, later,
+    /// that the store dropped the record on its own (an expired lease).
+    fn register(
+        &self,
+        record: &Record,
+        lost: mpsc::UnboundedSender<()>,
+    ) -> impl Future<Output = Result<(), DiscoveryError>> + Send;
+
+    /// Removes the record written by the last `register`, if any. Removing a
+    /// record that is not there succeeds.
+    fn withdraw(&self) -> impl Future<Output = Result<(), DiscoveryError>> + Send;
+
+    /// Every record in the store, for `llm-sidecar instances`.
+    fn list(&self) -> impl Future<Output = Result<Vec<ListedRecord>, DiscoveryError>> + Send;
+
+    /// Where the record lives, for operators (`/state`, logs).
+    fn location(&self, record: &Record) -> String;
+}
+
+/// One entry found in discovery: its key and what it held.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ListedRecord {
+    /// The discovery key.
+    pub key: String,
+    /// The parsed record, or why it could not be read.
+    #[serde(flatten)]
+    pub content: Listed,
+}
+
+/// The content of a listed entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Listed {
+    /// A well-formed record.
+    Record(Box<Record>),
+    /// An entry that is not a valid record (and why).
+    Invalid {
+        /// The parse error.
+        error: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_parse_or_explain() {
+        assert_eq!(
+            DiscoveryUri::parse("file:.llm-sidecar/discovery").unwrap(),
+            DiscoveryUri::File(".llm-sidecar/discovery".into())
+        );
+        assert_eq!(
+            DiscoveryUri::parse("etcd://127.0.0.1:2379,[::1]:2379").unwrap(),
+            DiscoveryUri::Etcd(vec!["127.0.0.1:2379".into(), "[::1]:2379".into()])
+        );
+        for bad in [
+            "",
+            "file:",
+            "etcd://",
+            "etcd://host",
+            "redis://x:1",
+            "/tmp/x",
+        ] {
+            assert!(DiscoveryUri::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! The engine: which kind it is, how to reach it, what it says about itself.
+//!
+//! An [`EngineProfile`] names everything engine-specific: the display name in
+//! log lines, the liveness service, the probe and the identity. Adding an engine
+//! means a profile and its calls here; the core is untouched.
+
+mod trtllm;
+
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::Timings;
+use crate::discovery::ModelRecord;
+
+/// The engines llm-sidecar knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// NVIDIA TensorRT-LLM (`trtllm.TrtllmService`).
+    Trtllm,
+}
+
+/// Everything engine-specific the sidecar needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineProfile {
+    /// Which engine.
+    pub kind: EngineKind,
+}
+
+impl EngineProfile {
+    /// The profile of an engine kind.
+    pub const fn of(kind: EngineKind) -> Self {
+        EngineProfile { kind }
+    }
+
+    /// How log lines name the engine.
+    pub const fn display_name(&self) -> &'static str {
+        match self.kind {
+            EngineKind::Trtllm => "TensorRT-LLM",
+        }
+    }
+
+    /// The short name in flags and records.
+    pub const fn kind_name(&self) -> &'static str {
+        match self.kind {
+            EngineKind::Trtllm => "trtllm",
+        }
+    }
+
+    /// The grpc.health.v1 service the engine serves for liveness.
+    pub const fn default_liveness_service(&self) -> &'static str {
+        match self.kind {
+            EngineKind::Trtllm => "liveness",
+        }
+    }
+
+    /// The engine API's own health RPC, which gateways call to judge a worker.
+    pub const fn health_rpc_path(&self) -> &'static str {
+        match self.kind {
+            EngineKind::Trtllm => "/trtllm.TrtllmService/HealthCheck",
+        }
+    }
+
+    /// The engine API's gRPC service name.
+    pub const fn service_name(&self) -> &'static str {
+        match self.kind {
+            EngineKind::Trtllm => "trtllm.TrtllmService",
+        }
+    }
+}
+
+/// What the engine said about itself at start-up (and in each probe).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// The engine's version string.
+    pub version: String,
+    /// Self-description; a different value means another engine answers.
+    pub identity: String,
+    /// The served model.
+    pub model: ModelRecord,
+}
+
+/// Why talking to the engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Could not connect (the engine binds only after its model loaded).
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    /// A call failed with a gRPC status.
+    #[error("{call} failed: {code:?}: {message}")]
+    Call {
+        /// The RPC.
+        call: &'static str,
+        /// The status code.
+        code: tonic::Code,
+        /// The status message.
+        message: String,
+    },
+    /// A call did not answer in time.
+    #[error("{call} did not answer within {after}")]
+    Timeout {
+        /// The RPC.
+        call: &'static str,
+        /// The bound.
+        after: String,
+    },
+    /// The engine answered the probe with something other than fresh.
+    #[error("{call} answered {answer:?}")]
+    NotFresh {
+        /// The RPC.
+        call: &'static str,
+        /// The answer.
+        answer: String,
+    },
+}
+
+/// An error and its causes, `a: b: c`, for one log line.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// The engine connection's settings: HTTP/2 keepalive above the engine's ping
+/// floor (so a frozen engine is noticed), a bounded connect, no Nagle.
+pub fn endpoint(address: &str, timings: &Timings) -> Result<Endpoint, EngineError> {
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| EngineError::Connect(error_chain(&e)))?;
+    Ok(endpoint
+        .connect_timeout(timings.connect_attempt_timeout)
+        .http2_keep_alive_interval(timings.keepalive_interval)
+        .keep_alive_timeout(timings.keepalive_timeout)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true))
+}
+
+/// Connects once, bounded by the connect timeout.
+pub async fn connect(endpoint: &Endpoint, bound: Duration) -> Result<Channel, EngineError> {
+    match tokio::time::timeout(bound, endpoint.connect()).await {
+        Ok(Ok(channel)) => Ok(channel),
+        Ok(Err(e)) => Err(EngineError::Connect(error_chain(&e))),
+        Err(_) => Err(EngineError::Connect(format!(
+            "no connection within {}",
+            llm_sidecar_core::HumanDuration(bound)
+        ))),
+    }
+}
+
+/// Reads the engine's version, identity and model, each call bounded by `bound`.
+pub async fn read_info(
+    profile: &EngineProfile,
+    channel: &Channel,
+    bound: Duration,
+) -> Result<EngineInfo, EngineError> {
+    match profile.kind {
+        EngineKind::Trtllm => trtllm::read_info(channel, bound).await,
+    }
+}
+
+/// Asks the engine whether its routing load is fresh; `Ok` means fresh.
+pub async fn probe(
+    profile: &EngineProfile,
+    channel: &Channel,
+    bound: Duration,
+) -> Result<(), EngineError> {
+    match profile.kind {
+        EngineKind::Trtllm => trtllm::probe(channel, bound).await,
+    }
+}
+
+pub(crate) async fn bounded<T>(
+    call: &'static str,
+    bound: Duration,
+    fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, EngineError> {
+    match tokio::time::timeout(bound, fut).await {
+        Ok(Ok(response)) => Ok(response.into_inner()),
+        Ok(Err(status)) => Err(EngineError::Call {
+            call,
+            code: status.code(),
+            message: status.message().to_string(),
+        }),
+        Err(_) => Err(EngineError::Timeout {
+            call,
+            after: llm_sidecar_core::HumanDuration(bound).to_string(),
+        }),
+    }
+}

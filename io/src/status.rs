@@ -1,0 +1,172 @@
+//! What the admin server shows: the lifecycle's state and the sidecar's metrics.
+//! The driver writes it after every step; the admin handlers read it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
+
+/// Shared, cheap-to-lock status.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Shared(Arc<Mutex<Status>>);
+
+impl Shared {
+    pub(crate) fn update(&self, f: impl FnOnce(&mut Status)) {
+        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut guard);
+    }
+
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&Status) -> T) -> T {
+        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        f(&guard)
+    }
+}
+
+/// The state and counters.
+#[derive(Debug, Default)]
+pub(crate) struct Status {
+    pub(crate) live: bool,
+    pub(crate) state: &'static str,
+    pub(crate) since: Option<SystemTime>,
+    pub(crate) reason: Option<String>,
+    pub(crate) instance_id: String,
+    pub(crate) engine_identity: Option<String>,
+    pub(crate) record_location: Option<String>,
+    pub(crate) in_flight: u64,
+    pub(crate) liveness_status: Option<i32>,
+    pub(crate) last_fresh_probe: Option<Instant>,
+    pub(crate) losses: BTreeMap<&'static str, u64>,
+    pub(crate) discovery_write_failures: u64,
+    pub(crate) lost_at: Option<Instant>,
+    pub(crate) loss_to_withdraw: Option<Duration>,
+}
+
+/// The kind of a loss reason, for the metric label.
+pub(crate) fn loss_kind(reason: &str) -> &'static str {
+    const KINDS: [(&str, &str); 7] = [
+        ("liveness reported", "liveness_status"),
+        ("liveness service deregistered", "liveness_deregistered"),
+        ("liveness stream ended", "liveness_stream_ended"),
+        ("liveness stream failed", "liveness_stream_failed"),
+        ("liveness watch did not open", "liveness_not_opened"),
+        ("routing load stale", "stale_load"),
+        ("new engine identity", "identity_changed"),
+    ];
+    KINDS
+        .iter()
+        .find(|(p, _)| reason.starts_with(p))
+        .map_or("other", |(_, k)| k)
+}
+
+#[derive(Serialize)]
+struct StateJson<'a> {
+    state: &'a str,
+    since: Option<String>,
+    reason: Option<&'a str>,
+    instance_id: &'a str,
+    engine_identity: Option<&'a str>,
+    record: Option<&'a str>,
+    in_flight: u64,
+}
+
+impl Status {
+    pub(crate) fn state_json(&self) -> String {
+        let json = StateJson {
+            state: self.state,
+            since: self.since.map(crate::timefmt::rfc3339),
+            reason: self.reason.as_deref(),
+            instance_id: &self.instance_id,
+            engine_identity: self.engine_identity.as_deref(),
+            record: self.record_location.as_deref(),
+            in_flight: self.in_flight,
+        };
+        serde_json::to_string_pretty(&json).unwrap_or_default() + "\n"
+    }
+
+    pub(crate) fn metrics(&self) -> String {
+        let mut m = String::new();
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_state 1 for the lifecycle state the sidecar is in."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_state gauge");
+        for s in ["Starting", "Serving", "Draining", "Lost", "Exited"] {
+            let _ = writeln!(
+                m,
+                "llm_sidecar_state{{state=\"{s}\"}} {}",
+                u8::from(self.state == s)
+            );
+        }
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_engine_losses_total Engine losses accepted while serving, by reason."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_engine_losses_total counter");
+        for (kind, n) in &self.losses {
+            let _ = writeln!(
+                m,
+                "llm_sidecar_engine_losses_total{{reason=\"{kind}\"}} {n}"
+            );
+        }
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_liveness_watch_status Last raw grpc.health.v1 status on the liveness Watch (-1: none yet)."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_liveness_watch_status gauge");
+        let _ = writeln!(
+            m,
+            "llm_sidecar_liveness_watch_status {}",
+            self.liveness_status.unwrap_or(-1)
+        );
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_probe_age_seconds Seconds since the last fresh probe answer (-1: none yet)."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_probe_age_seconds gauge");
+        let age = self
+            .last_fresh_probe
+            .map_or(-1.0, |t| t.elapsed().as_secs_f64());
+        let _ = writeln!(m, "llm_sidecar_probe_age_seconds {age:.3}");
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_discovery_write_failures_total Discovery writes (register or withdraw) that failed."
+        );
+        let _ = writeln!(
+            m,
+            "# TYPE llm_sidecar_discovery_write_failures_total counter"
+        );
+        let _ = writeln!(
+            m,
+            "llm_sidecar_discovery_write_failures_total {}",
+            self.discovery_write_failures
+        );
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_loss_to_withdraw_seconds Time from the engine loss to the confirmed withdrawal (-1: no loss)."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_loss_to_withdraw_seconds gauge");
+        let ltw = self.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64());
+        let _ = writeln!(m, "llm_sidecar_loss_to_withdraw_seconds {ltw:.6}");
+        let _ = writeln!(m, "# HELP llm_sidecar_in_flight Forwarded calls in flight.");
+        let _ = writeln!(m, "# TYPE llm_sidecar_in_flight gauge");
+        let _ = writeln!(m, "llm_sidecar_in_flight {}", self.in_flight);
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_reasons_have_kinds() {
+        assert_eq!(
+            loss_kind("liveness reported NOT_SERVING"),
+            "liveness_status"
+        );
+        assert_eq!(loss_kind("routing load stale for 30s"), "stale_load");
+        assert_eq!(loss_kind("something new"), "other");
+    }
+}

@@ -1,0 +1,105 @@
+//! The mock's HTTP control endpoint (GET, query parameters):
+//!
+//! | path | effect |
+//! |---|---|
+//! | `/liveness?status=N[&service=S]` | set a health service's raw status (registers it) |
+//! | `/unregister?service=S` | remove a health service (Watch then sees SERVICE_UNKNOWN) |
+//! | `/watch/end` | end every open Watch stream with OK |
+//! | `/watch/fail?code=N&message=M` | fail every open Watch stream with that status |
+//! | `/healthcheck?mode=ok\|stall\|text&text=T` | how HealthCheck answers |
+//! | `/identity?version=V` | change the version GetServerInfo reports |
+//! | `/stop?grace_ms=N` | graceful stop: NOT_SERVING, cancel calls after the grace, exit |
+//! | `/stats` | counters as JSON |
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use llm_sidecar_io::admin_http::{Handler, Request, Response};
+
+use crate::{HealthCheckMode, State, WatchControl, lock};
+
+pub(crate) fn handler(state: Arc<State>) -> Handler {
+    Arc::new(move |req: &Request| route(&state, req))
+}
+
+fn route(state: &State, req: &Request) -> Response {
+    match req.path.as_str() {
+        "/liveness" => {
+            let service = req.param("service").unwrap_or("liveness");
+            match req.param("status").map(str::parse::<i32>) {
+                Some(Ok(status)) => {
+                    state.set_status(service, status);
+                    Response::text(200, format!("{service} = {status}\n"))
+                }
+                _ => Response::text(400, "status must be an integer\n"),
+            }
+        }
+        "/unregister" => {
+            let service = req.param("service").unwrap_or("liveness");
+            state.unregister(service);
+            Response::text(200, format!("{service} unregistered\n"))
+        }
+        "/watch/end" => {
+            let _ = state.watch_control.send(WatchControl::End);
+            Response::text(200, "watch streams ended\n")
+        }
+        "/watch/fail" => {
+            let code = req.param("code").and_then(|c| c.parse().ok()).unwrap_or(14);
+            let message = req
+                .param("message")
+                .unwrap_or("failed by the control endpoint")
+                .to_string();
+            let _ = state
+                .watch_control
+                .send(WatchControl::Fail { code, message });
+            Response::text(200, "watch streams failed\n")
+        }
+        "/healthcheck" => {
+            let mode = match req.param("mode") {
+                Some("ok") | None => HealthCheckMode::Ok,
+                Some("stall") => HealthCheckMode::Stall,
+                Some("text") => {
+                    HealthCheckMode::Text(req.param("text").unwrap_or("NOT OK").to_string())
+                }
+                Some(other) => return Response::text(400, format!("unknown mode {other:?}\n")),
+            };
+            *lock(&state.health_check) = mode;
+            Response::text(200, "ok\n")
+        }
+        "/identity" => match req.param("version") {
+            Some(v) => {
+                *lock(&state.version) = v.to_string();
+                Response::text(200, format!("version = {v}\n"))
+            }
+            None => Response::text(400, "version is required\n"),
+        },
+        "/stop" => {
+            let grace = req
+                .param("grace_ms")
+                .and_then(|g| g.parse().ok())
+                .unwrap_or(0);
+            let _ = state
+                .stop_requested
+                .send(Some(Duration::from_millis(grace)));
+            Response::text(200, "stopping\n")
+        }
+        "/stats" => {
+            let c = &state.counters;
+            let json = serde_json::json!({
+                "generate_started": c.generate_started.load(Ordering::Relaxed),
+                "generate_completed": c.generate_completed.load(Ordering::Relaxed),
+                "generate_cancelled": c.generate_cancelled.load(Ordering::Relaxed),
+                "aborts": c.aborts.load(Ordering::Relaxed),
+                "health_checks": c.health_checks.load(Ordering::Relaxed),
+                "info_calls": c.info_calls.load(Ordering::Relaxed),
+                "watch_streams": c.watch_streams.load(Ordering::Relaxed),
+                "connections": c.connections.load(Ordering::Relaxed),
+                "seen_ids": *lock(&state.seen_ids),
+                "cancelled_ids": *lock(&state.cancelled_ids),
+            });
+            Response::json(200, json.to_string() + "\n")
+        }
+        _ => Response::text(404, "unknown control path\n"),
+    }
+}

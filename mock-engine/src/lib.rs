@@ -1,0 +1,283 @@
+//! A CPU-only fake TensorRT-LLM engine for tests and demos.
+//!
+//! It serves `trtllm.TrtllmService` (Generate streams deterministic token ids;
+//! HealthCheck, GetModelInfo, GetServerInfo, Abort) and `grpc.health.v1` for
+//! `""`, `liveness` and `inference` with a health service of its own (tonic-health
+//! never sends SERVICE_UNKNOWN; this one does, like grpcio). A small HTTP
+//! control endpoint changes its behaviour while it runs; see [`control`].
+
+mod control;
+mod health;
+mod service;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use llm_sidecar_engine_api::trtllm::trtllm_service_server::TrtllmServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, watch};
+use tokio_util::sync::CancellationToken;
+
+/// How the mock serves grpc.health.v1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthMode {
+    /// `""`, `liveness` and `inference` registered, SERVING.
+    Full,
+    /// No grpc.health.v1 service at all (Watch answers UNIMPLEMENTED).
+    Absent,
+    /// Health served, but `liveness` not registered until the control endpoint sets it.
+    LivenessUnregistered,
+}
+
+/// The mock's settings.
+#[derive(Debug, Clone)]
+pub struct MockConfig {
+    /// gRPC listen address.
+    pub listen: SocketAddr,
+    /// Control HTTP listen address.
+    pub control_listen: SocketAddr,
+    /// Model id reported by GetModelInfo.
+    pub model_id: String,
+    /// Version reported by GetServerInfo.
+    pub version: String,
+    /// Backend reported by GetServerInfo.
+    pub backend: String,
+    /// Max input length reported by GetModelInfo.
+    pub max_input_len: i32,
+    /// Max sequence length reported by GetModelInfo.
+    pub max_seq_len: i32,
+    /// Delay before each generated token.
+    pub token_delay: Duration,
+    /// How health is served.
+    pub health: HealthMode,
+}
+
+/// How HealthCheck answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HealthCheckMode {
+    Ok,
+    Stall,
+    Text(String),
+}
+
+/// What the control endpoint can make every open Watch stream do.
+#[derive(Debug, Clone)]
+pub(crate) enum WatchControl {
+    End,
+    Fail { code: i32, message: String },
+}
+
+/// Counters the tests read through `/stats`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) generate_started: AtomicU64,
+    pub(crate) generate_completed: AtomicU64,
+    pub(crate) generate_cancelled: AtomicU64,
+    pub(crate) aborts: AtomicU64,
+    pub(crate) health_checks: AtomicU64,
+    pub(crate) info_calls: AtomicU64,
+    pub(crate) watch_streams: AtomicU64,
+    pub(crate) connections: AtomicU64,
+}
+
+/// Shared state of the running mock.
+pub(crate) struct State {
+    pub(crate) config: MockConfig,
+    /// Registered health services and their raw status.
+    pub(crate) statuses: Mutex<BTreeMap<String, i32>>,
+    /// Bumped on every status change; Watch streams wake on it.
+    pub(crate) changed: watch::Sender<u64>,
+    pub(crate) watch_control: broadcast::Sender<WatchControl>,
+    pub(crate) health_check: Mutex<HealthCheckMode>,
+    pub(crate) version: Mutex<String>,
+    pub(crate) counters: Counters,
+    pub(crate) seen_ids: Mutex<Vec<String>>,
+    pub(crate) cancelled_ids: Mutex<Vec<String>>,
+    /// Fires when every open call must end (after a graceful stop's grace).
+    pub(crate) cancel_calls: CancellationToken,
+    /// Fires when the control endpoint asks for a graceful stop.
+    pub(crate) stop_requested: watch::Sender<Option<Duration>>,
+}
+
+impl State {
+    pub(crate) fn set_status(&self, service: &str, status: i32) {
+        lock(&self.statuses).insert(service.to_string(), status);
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    pub(crate) fn unregister(&self, service: &str) {
+        lock(&self.statuses).remove(service);
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    pub(crate) fn status_of(&self, service: &str) -> Option<i32> {
+        lock(&self.statuses).get(service).copied()
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why the mock could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MockError {
+    /// A listen address could not be bound.
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+const SERVING: i32 = 1;
+const NOT_SERVING: i32 = 2;
+
+/// Runs the mock until a graceful stop (control `/stop` or `shutdown`) completes.
+pub async fn run(
+    config: MockConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), MockError> {
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| MockError::Bind {
+            what: "gRPC",
+            addr: config.listen,
+            source,
+        })?;
+    let control_listener = TcpListener::bind(config.control_listen)
+        .await
+        .map_err(|source| MockError::Bind {
+            what: "control",
+            addr: config.control_listen,
+            source,
+        })?;
+
+    let mut statuses = BTreeMap::new();
+    match config.health {
+        HealthMode::Full => {
+            for s in ["", "liveness", "inference"] {
+                statuses.insert(s.to_string(), SERVING);
+            }
+        }
+        HealthMode::LivenessUnregistered => {
+            for s in ["", "inference"] {
+                statuses.insert(s.to_string(), SERVING);
+            }
+        }
+        HealthMode::Absent => {}
+    }
+    let (stop_tx, mut stop_rx) = watch::channel(None);
+    let state = Arc::new(State {
+        version: Mutex::new(config.version.clone()),
+        config: config.clone(),
+        statuses: Mutex::new(statuses),
+        changed: watch::channel(0).0,
+        watch_control: broadcast::channel(16).0,
+        health_check: Mutex::new(HealthCheckMode::Ok),
+        counters: Counters::default(),
+        seen_ids: Mutex::new(Vec::new()),
+        cancelled_ids: Mutex::new(Vec::new()),
+        cancel_calls: CancellationToken::new(),
+        stop_requested: stop_tx,
+    });
+
+    let control_cancel = CancellationToken::new();
+    tokio::spawn(llm_sidecar_io::admin_http::serve(
+        control_listener,
+        control::handler(state.clone()),
+        control_cancel.clone(),
+    ));
+
+    // Stop accepting at once when a stop begins, as grpcio's server.stop() does.
+    let accept_stop = CancellationToken::new();
+    let incoming = {
+        let state = state.clone();
+        let accept_stop = accept_stop.clone();
+        async_incoming(listener, state, accept_stop)
+    };
+    let mut router = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(TrtllmServiceServer::new(service::Engine {
+            state: state.clone(),
+        }));
+    if config.health != HealthMode::Absent {
+        router = router.add_service(tonic_health::pb::health_server::HealthServer::new(
+            health::Health {
+                state: state.clone(),
+            },
+        ));
+    }
+    let server = tokio::spawn(router.serve_with_incoming(incoming));
+    tracing::info!(
+        listen = %config.listen,
+        control = %config.control_listen,
+        "mock TensorRT-LLM engine serving model {}",
+        config.model_id
+    );
+
+    let grace = tokio::select! {
+        () = shutdown => Duration::from_secs(5),
+        changed = stop_rx.wait_for(Option::is_some) => match changed {
+            Ok(g) => g.unwrap_or_default(),
+            Err(_) => Duration::ZERO,
+        },
+    };
+    // TensorRT-LLM's graceful stop: refuse new connections, report NOT_SERVING,
+    // let calls run for the grace, then cancel every open call.
+    accept_stop.cancel();
+    let services: Vec<String> = lock(&state.statuses).keys().cloned().collect();
+    for service in &services {
+        state.set_status(service, NOT_SERVING);
+    }
+    tracing::info!(
+        "mock engine stopping: NOT_SERVING, cancelling calls in {:?}",
+        grace
+    );
+    tokio::time::sleep(grace).await;
+    let _ = state.watch_control.send(WatchControl::Fail {
+        code: tonic::Code::Unavailable as i32,
+        message: "Cancelling all calls".into(),
+    });
+    state.cancel_calls.cancel();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.abort();
+    control_cancel.cancel();
+    Ok(())
+}
+
+/// The accept loop as a stream that ends when `stop` fires.
+fn async_incoming(
+    listener: TcpListener,
+    state: Arc<State>,
+    stop: CancellationToken,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                () = stop.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    state.counters.connections.fetch_add(1, Ordering::Relaxed);
+                    if tx.send(Ok(stream)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::warn!("accept failed: {e}"),
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
