@@ -1,0 +1,71 @@
+//! Measurements, not assertions: run on request in release mode.
+//!
+//! `cargo test --release -p llm-sidecar --test measure -- --ignored --nocapture`
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::*;
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+/// Time from the mock's liveness flip (control request answered) to the
+/// record file disappearing, polled every 100 µs; and the sidecar's idle RSS.
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn liveness_flip_to_record_removal() {
+    const RUNS: usize = 20;
+    let mut samples = Vec::with_capacity(RUNS);
+    let mut after_answer = Vec::with_capacity(RUNS);
+    let mut rss = Vec::new();
+    for run in 0..RUNS {
+        let dir = TempDir::new("measure");
+        let mock = Mock::start(&dir.0, free_addr(), &[]);
+        let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
+        let record = sidecar.wait_for_record(HANG);
+        sidecar.proc.wait_for_line("registered; serving", HANG);
+        std::thread::sleep(Duration::from_millis(300));
+        if run < 5 {
+            rss.push(rss_kib(sidecar.proc.pid()));
+        }
+        let start = Instant::now();
+        mock.control("/liveness?status=2");
+        let answered = Instant::now();
+        while record.exists() {
+            assert!(start.elapsed() < HANG, "record never removed");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        samples.push(start.elapsed());
+        after_answer.push(answered.elapsed());
+        assert_eq!(sidecar.proc.wait_exit(HANG), 1);
+    }
+    samples.sort();
+    after_answer.sort();
+    println!(
+        "liveness NOT_SERVING -> record removed, from the control answer (status already set), {RUNS} runs: median {:?}, worst {:?}",
+        percentile(&after_answer, 0.5),
+        after_answer[after_answer.len() - 1]
+    );
+    println!(
+        "liveness NOT_SERVING -> record removed, from the control request sent (includes its HTTP round trip), {RUNS} runs: median {:?}, p90 {:?}, worst {:?}, best {:?}",
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.9),
+        samples[samples.len() - 1],
+        samples[0]
+    );
+    println!("sidecar idle RSS while serving: {:?} KiB", rss);
+}
