@@ -42,6 +42,11 @@ pub enum Command {
     MockEngine(MockArgs),
     /// List the workers registered in discovery.
     Instances(InstancesArgs),
+    /// Load the request plane: N concurrent Generate streams of M tokens.
+    ///
+    /// Works against any TensorRT-LLM-compatible address (the engine, the
+    /// sidecar, another proxy), so runs can be compared side by side.
+    Bench(BenchArgs),
 }
 
 impl Cli {
@@ -50,7 +55,7 @@ impl Cli {
         match &self.command {
             Command::Run(a) => a.log_format,
             Command::MockEngine(a) => a.log_format,
-            Command::Instances(_) => LogFormat::Text,
+            Command::Instances(_) | Command::Bench(_) => LogFormat::Text,
         }
     }
 }
@@ -158,6 +163,16 @@ pub struct RunArgs {
     /// TTL of the etcd lease behind the record (kept alive at TTL/3).
     #[arg(long, env = "SIDECAR_LEASE_TTL", default_value = "10s", value_parser = duration)]
     pub lease_ttl: Duration,
+    /// Largest gRPC message the request plane forwards, either direction, in
+    /// bytes; a larger one fails that call with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "SIDECAR_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub max_message_bytes: u32,
+    /// Concurrent calls (HTTP/2 streams) one client connection may have open.
+    #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = 2048)]
+    pub max_concurrent_streams: u32,
+    /// Largest header list (metadata) a client may send, in bytes.
+    #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = 16 * 1024)]
+    pub max_header_list_bytes: u32,
     /// Log format (stderr).
     #[arg(long, env = "SIDECAR_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -201,6 +216,11 @@ impl RunArgs {
             endpoint: llm_sidecar_io::config::parse_key_segment("--endpoint", &self.endpoint)?,
             liveness_service,
             timings,
+            limits: llm_sidecar_io::proxy::Limits {
+                max_message_bytes: self.max_message_bytes.max(1),
+                max_concurrent_streams: self.max_concurrent_streams.max(1),
+                max_header_list_bytes: self.max_header_list_bytes.max(1024),
+            },
         })
     }
 }
@@ -367,6 +387,69 @@ pub fn mock_engine(args: MockArgs) -> i32 {
             }
         }
     })
+}
+
+/// Flags of `llm-sidecar bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Address to load (host:port): the sidecar's --listen, or the engine directly.
+    #[arg(long, default_value = "127.0.0.1:50061")]
+    pub target: String,
+    /// Concurrent streams.
+    #[arg(long, short = 'c', default_value_t = 16)]
+    pub concurrency: usize,
+    /// Tokens per call (max_tokens).
+    #[arg(long, short = 'n', default_value_t = 256)]
+    pub tokens: u32,
+    /// How long to run (ignored if --calls is reached first).
+    #[arg(long, short = 'd', default_value = "10s", value_parser = duration)]
+    pub duration: Duration,
+    /// Stop after this many calls in total.
+    #[arg(long)]
+    pub calls: Option<u64>,
+    /// HTTP/2 connections to spread the streams over.
+    #[arg(long, default_value_t = 1)]
+    pub connections: usize,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: u32,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `llm-sidecar bench`.
+pub fn bench(args: BenchArgs) -> i32 {
+    if let Err(e) = parse_host_port("--target", &args.target) {
+        eprintln!("error: {e}");
+        return EXIT_USAGE;
+    }
+    let config = llm_sidecar_loadgen::BenchConfig {
+        target: args.target,
+        concurrency: args.concurrency.max(1),
+        tokens: args.tokens,
+        duration: Some(args.duration),
+        calls: args.calls,
+        connections: args.connections.max(1),
+        prompt_tokens: args.prompt_tokens,
+    };
+    match runtime().block_on(llm_sidecar_loadgen::run(config)) {
+        Ok(report) => {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
+            } else {
+                print!("{report}");
+            }
+            i32::from(!report.errors.is_empty())
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
 }
 
 /// `llm-sidecar instances`.

@@ -14,6 +14,7 @@ fn main() -> ExitCode {
         cli::Command::Run(args) => cli::run(*args),
         cli::Command::MockEngine(args) => cli::mock_engine(args),
         cli::Command::Instances(args) => cli::instances(args),
+        cli::Command::Bench(args) => cli::bench(args),
     };
     ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

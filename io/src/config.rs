@@ -184,6 +184,8 @@ pub struct RunConfig {
     pub liveness_service: String,
     /// All timings.
     pub timings: Timings,
+    /// Request-plane limits.
+    pub limits: crate::proxy::Limits,
 }
 
 /// Parses `300ms`, `5s`, `1.5s`, `2m`, `1h`, `1h30m`, `250us`: a sequence of

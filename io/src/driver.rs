@@ -6,7 +6,8 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime};
 
 use llm_sidecar_core::{
     Action, Admission, Config as CoreConfig, Event, ExitCode, Level, Lifecycle,
@@ -24,6 +25,8 @@ use crate::discovery::{
 };
 use crate::engine::{self, EngineInfo, EngineProfile};
 use crate::monitors;
+use crate::own_health::OwnHealth;
+use crate::proxy::{self, Plane, ProxyMetrics};
 use crate::status::{Shared, loss_kind};
 
 /// Why `run` could not start. The process exits 2: nothing was contacted.
@@ -39,6 +42,14 @@ pub enum RunError {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// The engine address cannot be used for a connection.
+    #[error("--engine-endpoint {address}: {message}")]
+    Engine {
+        /// The address.
+        address: String,
+        /// What is wrong.
+        message: String,
     },
     /// The discovery backend is not available.
     #[error("discovery {uri}: {message}")]
@@ -114,6 +125,31 @@ async fn drive<D: Discovery>(
             addr: config.admin_listen,
             source,
         })?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| RunError::Bind {
+            what: "request plane",
+            addr: config.listen,
+            source,
+        })?;
+    let engine_channel = engine::endpoint(&config.engine_endpoint, &config.timings)
+        .map_err(|e| RunError::Engine {
+            address: config.engine_endpoint.clone(),
+            message: e.to_string(),
+        })?
+        .connect_lazy();
+    let own_health = OwnHealth::new(config.engine.service_name());
+    let plane = Arc::new(Plane {
+        gate: llm_sidecar_core::gate::Gate::new(),
+        serving: Default::default(),
+        cut: CancellationToken::new(),
+        drained: Default::default(),
+        metrics: ProxyMetrics::default(),
+        engine: engine_channel,
+        health: own_health.server(),
+        health_rpc_path: config.engine.health_rpc_path(),
+        limits: config.limits,
+    });
     let instance_id = new_instance_id();
     let instance_hex = format!("{instance_id:x}");
     let origin = tokio::time::Instant::now();
@@ -128,8 +164,15 @@ async fn drive<D: Discovery>(
     });
     tokio::spawn(admin_http::serve(
         admin,
-        admin_handler(status.clone()),
+        admin_handler(status.clone(), plane.clone()),
         root.child_token(),
+    ));
+    let connections = tokio_util::task::TaskTracker::new();
+    tokio::spawn(proxy::serve(
+        listener,
+        plane.clone(),
+        root.child_token(),
+        connections.clone(),
     ));
 
     let (ready_tx, mut ready) = mpsc::channel::<EngineReady>(1);
@@ -189,8 +232,17 @@ async fn drive<D: Discovery>(
                 Action::Withdraw => {
                     let _ = ops_tx.send(DiscoveryOp::Withdraw);
                 }
-                Action::SetAdmission(Admission::Open | Admission::Closed) => {}
-                Action::SetHealth(_) => {}
+                Action::SetAdmission(Admission::Open) => plane.gate.open(),
+                Action::SetAdmission(Admission::Closed) => {
+                    if plane.gate.close().drained {
+                        plane.drained.notify_one();
+                    }
+                }
+                Action::SetHealth(health) => {
+                    let serving = health == llm_sidecar_core::Health::Serving;
+                    plane.serving.store(serving, Ordering::Release);
+                    own_health.set(serving);
+                }
                 Action::StartMonitors => {
                     if let Some((_, channel)) = &engine {
                         let token = root.child_token();
@@ -221,16 +273,33 @@ async fn drive<D: Discovery>(
                     Level::Warn => tracing::warn!("{message}"),
                     Level::Error => tracing::error!("{message}"),
                 },
-                Action::CancelInFlight => {}
+                Action::CancelInFlight => plane.cut.cancel(),
                 Action::Exit(code) => {
                     status.update(|s| {
                         s.state = "Exited";
                         s.live = false;
                     });
+                    // Decide (done), tell, wait with a bound: cut calls end with their
+                    // trailers, connections send GOAWAY and flush, then we go.
                     root.cancel();
+                    connections.close();
+                    if tokio::time::timeout(Duration::from_secs(3), connections.wait())
+                        .await
+                        .is_err()
+                    {
+                        tracing::warn!(
+                            "request-plane connections did not close within 3s; exiting anyway"
+                        );
+                    }
                     return Ok(code);
                 }
             }
+        }
+        // The gate counts calls; the core hears the count when it changed.
+        let in_flight = plane.gate.in_flight();
+        if in_flight != lifecycle.in_flight() {
+            lifecycle.handle_event(now(), Event::InFlightChanged { count: in_flight });
+            continue;
         }
         publish(&lifecycle, &status);
 
@@ -260,6 +329,7 @@ async fn drive<D: Discovery>(
                 }
                 None => shutdown_open = false,
             },
+            () = plane.drained.notified() => {}
             () = sleep => lifecycle.handle_timeout(now()),
         }
     }
@@ -306,7 +376,7 @@ fn publish(lifecycle: &Lifecycle, status: &Shared) {
     });
 }
 
-fn admin_handler(status: Shared) -> Handler {
+fn admin_handler(status: Shared, plane: Arc<Plane>) -> Handler {
     Arc::new(move |req: &Request| {
         if req.method != "GET" && req.method != "HEAD" {
             return Response::text(405, "only GET\n");
@@ -330,7 +400,7 @@ fn admin_handler(status: Shared) -> Handler {
             "/metrics" => Response {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
-                body: status.read(|s| s.metrics()),
+                body: status.read(|s| s.metrics(&plane.metrics, plane.gate.in_flight())),
             },
             _ => Response::text(404, "not found; try /live, /ready, /state or /metrics\n"),
         }

@@ -12,6 +12,8 @@ pub mod discovery;
 mod driver;
 pub mod engine;
 mod monitors;
+mod own_health;
+pub mod proxy;
 mod status;
 pub mod timefmt;
 

@@ -85,7 +85,8 @@ impl Status {
         serde_json::to_string_pretty(&json).unwrap_or_default() + "\n"
     }
 
-    pub(crate) fn metrics(&self) -> String {
+    pub(crate) fn metrics(&self, proxy: &crate::proxy::ProxyMetrics, in_flight: u64) -> String {
+        use std::sync::atomic::Ordering::Relaxed;
         let mut m = String::new();
         let _ = writeln!(
             m,
@@ -151,7 +152,43 @@ impl Status {
         let _ = writeln!(m, "llm_sidecar_loss_to_withdraw_seconds {ltw:.6}");
         let _ = writeln!(m, "# HELP llm_sidecar_in_flight Forwarded calls in flight.");
         let _ = writeln!(m, "# TYPE llm_sidecar_in_flight gauge");
-        let _ = writeln!(m, "llm_sidecar_in_flight {}", self.in_flight);
+        let _ = writeln!(m, "llm_sidecar_in_flight {in_flight}");
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_calls_total Calls on the request plane, by outcome."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_calls_total counter");
+        let outcomes = [
+            ("admitted", &proxy.admitted),
+            ("refused", &proxy.refused),
+            ("cancelled_by_caller", &proxy.cancelled_by_caller),
+            ("cut_at_deadline", &proxy.cut_at_deadline),
+            ("deadline_exceeded", &proxy.deadline_exceeded),
+            ("too_large", &proxy.too_large),
+            ("engine_unreachable", &proxy.engine_unreachable),
+        ];
+        for (outcome, n) in outcomes {
+            let _ = writeln!(
+                m,
+                "llm_sidecar_calls_total{{outcome=\"{outcome}\"}} {}",
+                n.load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_forwarded_bytes_total Message bytes forwarded, by direction."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_forwarded_bytes_total counter");
+        let _ = writeln!(
+            m,
+            "llm_sidecar_forwarded_bytes_total{{direction=\"to_engine\"}} {}",
+            proxy.bytes_to_engine.load(Relaxed)
+        );
+        let _ = writeln!(
+            m,
+            "llm_sidecar_forwarded_bytes_total{{direction=\"to_caller\"}} {}",
+            proxy.bytes_to_caller.load(Relaxed)
+        );
         m
     }
 }

@@ -1,0 +1,415 @@
+//! The request plane as clients see it: calls through the sidecar behave as if
+//! they went to the engine, and nothing is lost when the worker drains.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
+use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+use llm_sidecar_engine_api::trtllm::{
+    GenerateRequest, GetModelInfoRequest, HealthCheckRequest, TokenizedInput,
+};
+use support::*;
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn client(addr: std::net::SocketAddr) -> TrtllmServiceClient<Channel> {
+    TrtllmServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect")
+}
+
+fn generate(id: &str, prompt: u32, tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.to_string(),
+        tokenized: Some(TokenizedInput {
+            original_text: String::new(),
+            input_token_ids: (0..prompt).map(|i| 10 + i).collect(),
+        }),
+        max_tokens: tokens,
+        streaming: true,
+    }
+}
+
+/// Streamed token ids, the final complete's ids, and how the stream ended.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    streamed: Vec<u32>,
+    complete: Vec<u32>,
+    end: Result<(), (Code, String)>,
+}
+
+async fn run_generate(mut c: TrtllmServiceClient<Channel>, req: GenerateRequest) -> Outcome {
+    let mut out = Outcome {
+        streamed: vec![],
+        complete: vec![],
+        end: Ok(()),
+    };
+    let mut stream = match c.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            out.end = Err((s.code(), s.message().to_string()));
+            return out;
+        }
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(m)) => match m.response {
+                Some(GenResponse::Chunk(c)) => out.streamed.extend(c.token_ids),
+                Some(GenResponse::Complete(c)) => out.complete = c.output_token_ids,
+                None => {}
+            },
+            Ok(None) => return out,
+            Err(s) => {
+                out.end = Err((s.code(), s.message().to_string()));
+                return out;
+            }
+        }
+    }
+}
+
+fn serving(dir: &TempDir, mock_args: &[&str], sidecar_args: &[&str]) -> (Mock, Sidecar) {
+    let mock = Mock::start(&dir.0, free_addr(), mock_args);
+    let sidecar = Sidecar::start(&dir.0, mock.grpc, sidecar_args);
+    sidecar.wait_for_record(HANG);
+    sidecar.proc.wait_for_line("registered; serving", HANG);
+    (mock, sidecar)
+}
+
+fn metric(sidecar: &Sidecar, name: &str) -> Option<f64> {
+    let (_, body) = http_get(sidecar.admin, "/metrics")?;
+    body.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn calls_through_the_sidecar_are_what_the_engine_sends() {
+    let dir = TempDir::new("passthrough");
+    let (mock, mut sidecar) = serving(&dir, &[], &[]);
+    rt().block_on(async {
+        let direct = run_generate(client(mock.grpc).await, generate("same-1", 8, 64)).await;
+        let proxied = run_generate(client(sidecar.listen).await, generate("same-1", 8, 64)).await;
+        assert_eq!(direct.streamed.len(), 64);
+        assert_eq!(proxied, direct, "the same tokens and the same end");
+        assert_eq!(proxied.complete, proxied.streamed);
+
+        let d = client(mock.grpc)
+            .await
+            .get_model_info(GetModelInfoRequest {})
+            .await
+            .expect("direct unary")
+            .into_inner();
+        let p = client(sidecar.listen)
+            .await
+            .get_model_info(GetModelInfoRequest {})
+            .await
+            .expect("proxied unary")
+            .into_inner();
+        assert_eq!(p, d);
+
+        // An engine error passes unchanged: code, message and trailing metadata.
+        let err_id = "error:9:model is busy";
+        let d = client(mock.grpc)
+            .await
+            .generate(generate(err_id, 1, 1))
+            .await
+            .expect_err("direct error");
+        let p = client(sidecar.listen)
+            .await
+            .generate(generate(err_id, 1, 1))
+            .await
+            .expect_err("proxied error");
+        assert_eq!(
+            (p.code(), p.message()),
+            (Code::FailedPrecondition, "model is busy")
+        );
+        assert_eq!((p.code(), p.message()), (d.code(), d.message()));
+        assert_eq!(
+            p.metadata().get("x-engine-error"),
+            d.metadata().get("x-engine-error")
+        );
+        assert!(p.metadata().get("x-engine-error").is_some());
+    });
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn a_caller_cancel_resets_the_engine_stream_at_once() {
+    let dir = TempDir::new("cancel");
+    let (mock, mut sidecar) = serving(&dir, &["--token-delay", "50ms"], &[]);
+    rt().block_on(async {
+        let mut c = client(sidecar.listen).await;
+        let mut stream = c
+            .generate(generate("cancel-me", 4, 1000))
+            .await
+            .expect("start")
+            .into_inner();
+        for _ in 0..3 {
+            stream.message().await.expect("chunk").expect("a chunk");
+        }
+        assert_eq!(metric(&sidecar, "llm_sidecar_in_flight"), Some(1.0));
+        let dropped = Instant::now();
+        drop(stream);
+        wait_until(
+            Duration::from_secs(5),
+            "the engine to see the reset",
+            || {
+                mock.stats()["cancelled_ids"]
+                    .as_array()
+                    .is_some_and(|ids| ids.iter().any(|i| i == "cancel-me"))
+            },
+        );
+        let seen_after = dropped.elapsed();
+        assert!(
+            seen_after < Duration::from_secs(1),
+            "engine saw the reset after {seen_after:?}"
+        );
+        wait_until(HANG, "in flight back to 0", || {
+            metric(&sidecar, "llm_sidecar_in_flight") == Some(0.0)
+        });
+        assert_eq!(
+            metric(
+                &sidecar,
+                "llm_sidecar_calls_total{outcome=\"cancelled_by_caller\"}"
+            ),
+            Some(1.0)
+        );
+    });
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn sigterm_drains_a_short_stream_and_refuses_new_calls() {
+    let dir = TempDir::new("drain");
+    let (mock, mut sidecar) = serving(
+        &dir,
+        &["--token-delay", "20ms"],
+        &["--router-grace", "1s", "--drain-timeout", "10s"],
+    );
+    let runtime = rt();
+    runtime.block_on(async {
+        let long = tokio::spawn(run_generate(
+            client(sidecar.listen).await,
+            generate("in-flight", 4, 150),
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sidecar.proc.signal("TERM");
+        // The record goes first; from then on the engine's health RPC is answered "draining".
+        wait_until(HANG, "the record to be withdrawn", || {
+            sidecar.records().is_empty()
+        });
+        let mut c = client(sidecar.listen).await;
+        let hc = c
+            .health_check(HealthCheckRequest {})
+            .await
+            .expect_err("HealthCheck while draining");
+        assert_eq!((hc.code(), hc.message()), (Code::Unavailable, "draining"));
+        // After the router grace, a new call is refused and never reaches the engine.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let late = run_generate(client(sidecar.listen).await, generate("too-late", 4, 10)).await;
+        assert_eq!(late.end, Err((Code::Unavailable, "draining".to_string())));
+        let done = long.await.expect("join");
+        assert_eq!(done.end, Ok(()), "the in-flight stream completes");
+        assert_eq!(done.streamed.len(), 150, "with every token");
+        assert_eq!(done.complete.len(), 150);
+    });
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    let seen = mock.stats()["seen_ids"].clone();
+    assert!(
+        !seen
+            .as_array()
+            .expect("ids")
+            .iter()
+            .any(|i| i == "too-late"),
+        "the engine never saw the refused call: {seen}"
+    );
+    let withdrawn = sidecar
+        .proc
+        .line_index("withdrawn from discovery")
+        .expect("withdrawn");
+    let exiting = sidecar.proc.line_index("exiting 0:").expect("exiting");
+    assert!(withdrawn < exiting);
+}
+
+#[test]
+fn sigterm_cuts_a_stream_longer_than_the_drain_deadline() {
+    let dir = TempDir::new("cut");
+    let (mock, mut sidecar) = serving(
+        &dir,
+        &["--token-delay", "50ms"],
+        &["--router-grace", "0s", "--drain-timeout", "2s"],
+    );
+    let started = Instant::now();
+    rt().block_on(async {
+        let long = tokio::spawn(run_generate(
+            client(sidecar.listen).await,
+            generate("endless", 4, 10_000),
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sidecar.proc.signal("TERM");
+        let cut = long.await.expect("join");
+        let (code, message) = cut.end.clone().expect_err("cut");
+        assert_eq!(code, Code::Unavailable, "{message}");
+        assert!(message.contains("drain deadline"), "{message}");
+        assert!(!cut.streamed.is_empty() && cut.streamed.len() < 10_000);
+    });
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "exited on time: {elapsed:?}"
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "the engine to see the reset",
+        || {
+            mock.stats()["cancelled_ids"]
+                .as_array()
+                .is_some_and(|ids| ids.iter().any(|i| i == "endless"))
+        },
+    );
+    assert!(
+        sidecar
+            .proc
+            .line_index("drain deadline reached with 1 calls in flight")
+            .is_some()
+    );
+}
+
+#[test]
+fn engine_loss_closes_admission_at_once_and_lets_calls_end() {
+    let dir = TempDir::new("loss-inflight");
+    let (mock, mut sidecar) = serving(
+        &dir,
+        &["--token-delay", "20ms"],
+        &["--drain-timeout", "10s"],
+    );
+    rt().block_on(async {
+        let long = tokio::spawn(run_generate(
+            client(sidecar.listen).await,
+            generate("during-loss", 4, 100),
+        ));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        mock.control("/liveness?status=2");
+        wait_until(HANG, "the record to be withdrawn", || {
+            sidecar.records().is_empty()
+        });
+        let refused =
+            run_generate(client(sidecar.listen).await, generate("after-loss", 4, 10)).await;
+        assert_eq!(
+            refused.end,
+            Err((Code::Unavailable, "draining".to_string()))
+        );
+        let done = long.await.expect("join");
+        assert_eq!(done.end, Ok(()));
+        assert_eq!(done.streamed.len(), 100);
+    });
+    assert_eq!(sidecar.proc.wait_exit(HANG), 1);
+    assert!(
+        !mock.stats()["seen_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .any(|i| i == "after-loss")
+    );
+}
+
+#[test]
+fn bad_input_fails_only_its_own_connection_or_call() {
+    let dir = TempDir::new("bad-input");
+    let (mock, mut sidecar) = serving(
+        &dir,
+        &["--token-delay", "10ms"],
+        &["--max-message-bytes", "1024"],
+    );
+    rt().block_on(async {
+        let good = tokio::spawn(run_generate(
+            client(sidecar.listen).await,
+            generate("good", 4, 200),
+        ));
+        // Garbage bytes and an HTTP/1 request: the connection is closed.
+        for junk in [
+            &b"\x00\x01garbage that is not HTTP/2\r\n\r\n"[..],
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        ] {
+            let addr = sidecar.listen;
+            let junk = junk.to_vec();
+            let closed = tokio::task::spawn_blocking(move || {
+                let mut s = TcpStream::connect(addr).expect("connect");
+                s.set_read_timeout(Some(Duration::from_secs(10)))
+                    .expect("timeout");
+                s.write_all(&junk).expect("write");
+                let mut buf = Vec::new();
+                // A clean close or a reset both end the connection; only a timeout does not.
+                match s.read_to_end(&mut buf) {
+                    Ok(_) => true,
+                    Err(e) => !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ),
+                }
+            })
+            .await
+            .expect("join");
+            assert!(
+                closed,
+                "the sidecar closes a connection that does not speak HTTP/2"
+            );
+        }
+        // An unknown method passes through and fails as the engine says.
+        let channel = Channel::from_shared(format!("http://{}", sidecar.listen))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.expect("ready");
+        let path = http::uri::PathAndQuery::from_static("/trtllm.TrtllmService/NoSuchMethod");
+        let codec: tonic_prost::ProstCodec<HealthCheckRequest, HealthCheckRequest> =
+            tonic_prost::ProstCodec::default();
+        let err = grpc
+            .unary(tonic::Request::new(HealthCheckRequest {}), path, codec)
+            .await
+            .expect_err("unknown method");
+        assert_eq!(err.code(), Code::Unimplemented);
+        // A message over the limit fails that call only.
+        let big = run_generate(client(sidecar.listen).await, generate("too-big", 2000, 1)).await;
+        assert_eq!(
+            big.end.as_ref().map_err(|e| e.0),
+            Err(Code::ResourceExhausted),
+            "{:?}",
+            big.end
+        );
+        let good = good.await.expect("join");
+        assert_eq!(good.end, Ok(()), "the concurrent good call completes");
+        assert_eq!(good.streamed.len(), 200);
+    });
+    assert!(
+        !mock.stats()["seen_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .any(|i| i == "too-big")
+    );
+    assert!(
+        sidecar.proc.running(),
+        "bad input never takes the sidecar down"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
