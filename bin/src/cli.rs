@@ -47,6 +47,9 @@ pub enum Command {
     /// Works against any TensorRT-LLM-compatible address (the engine, the
     /// sidecar, another proxy), so runs can be compared side by side.
     Bench(BenchArgs),
+    /// Show the whole lifecycle on this machine: a mock engine, the sidecar,
+    /// calls through it, an engine failure, withdrawal, drain and exit 1.
+    Demo,
 }
 
 impl Cli {
@@ -55,7 +58,7 @@ impl Cli {
         match &self.command {
             Command::Run(a) => a.log_format,
             Command::MockEngine(a) => a.log_format,
-            Command::Instances(_) | Command::Bench(_) => LogFormat::Text,
+            Command::Instances(_) | Command::Bench(_) | Command::Demo => LogFormat::Text,
         }
     }
 }

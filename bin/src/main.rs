@@ -2,6 +2,7 @@
 //! logging, builds the runtime and hands over to the IO layer.
 
 mod cli;
+mod demo;
 
 use std::process::ExitCode;
 
@@ -15,6 +16,7 @@ fn main() -> ExitCode {
         cli::Command::MockEngine(args) => cli::mock_engine(args),
         cli::Command::Instances(args) => cli::instances(args),
         cli::Command::Bench(args) => cli::bench(args),
+        cli::Command::Demo => demo::run(),
     };
     ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

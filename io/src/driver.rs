@@ -315,17 +315,17 @@ async fn drive<D: Discovery>(
                 status.update(|s| s.engine_identity = Some(info.identity.clone()));
                 let identity = info.identity.clone();
                 engine = Some((info, channel));
-                lifecycle.handle_event(now(), Event::EngineReady { identity });
+                feed(&mut lifecycle, &plane.gate, now(), Event::EngineReady { identity });
             }
             Some(event) = events.recv() => {
                 note_event(&event, &status);
-                lifecycle.handle_event(now(), event);
+                feed(&mut lifecycle, &plane.gate, now(), event);
             }
-            Some(()) = lost.recv() => lifecycle.handle_event(now(), Event::RegistrationLost),
+            Some(()) = lost.recv() => feed(&mut lifecycle, &plane.gate, now(), Event::RegistrationLost),
             signal = shutdown.recv(), if shutdown_open => match signal {
                 Some(()) => {
                     tracing::info!("received a shutdown signal");
-                    lifecycle.handle_event(now(), Event::ShutdownSignal);
+                    feed(&mut lifecycle, &plane.gate, now(), Event::ShutdownSignal);
                 }
                 None => shutdown_open = false,
             },
@@ -333,6 +333,16 @@ async fn drive<D: Discovery>(
             () = sleep => lifecycle.handle_timeout(now()),
         }
     }
+}
+
+/// Feeds one event, first telling the core the gate's current in-flight count,
+/// so decisions (and their log lines) never rest on a stale count.
+fn feed(lifecycle: &mut Lifecycle, gate: &llm_sidecar_core::gate::Gate, now: Time, event: Event) {
+    let in_flight = gate.in_flight();
+    if in_flight != lifecycle.in_flight() {
+        lifecycle.handle_event(now, Event::InFlightChanged { count: in_flight });
+    }
+    lifecycle.handle_event(now, event);
 }
 
 /// Metrics derived from events before the core sees them.

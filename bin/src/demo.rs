@@ -1,0 +1,306 @@
+//! `llm-sidecar demo`: the whole lifecycle on this machine, in one command.
+//!
+//! Starts the mock engine and a sidecar (file discovery in a temporary
+//! directory) as child processes of this same binary, sends calls through the
+//! sidecar, makes the engine lose liveness with a call in flight, and prints a
+//! timeline of what an operator would see. Cleans up after itself.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
+use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+
+struct Demo {
+    start: Instant,
+    dir: PathBuf,
+    children: Vec<Child>,
+}
+
+impl Demo {
+    fn say(&self, text: impl AsRef<str>) {
+        println!(
+            "[{:>6} ms] {}",
+            self.start.elapsed().as_millis(),
+            text.as_ref()
+        );
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_addr() -> std::io::Result<SocketAddr> {
+    TcpListener::bind("127.0.0.1:0")?.local_addr()
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: demo\r\n\r\n").ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    Some(
+        raw.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default(),
+    )
+}
+
+fn wait_for(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    false
+}
+
+fn record_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "json") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn spawn(exe: &Path, args: &[String], log: &Path) -> std::io::Result<Child> {
+    Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log)?)
+        .spawn()
+}
+
+/// Runs the demo; returns the process exit code (0 if it showed what it should).
+pub fn run() -> i32 {
+    match demo() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("demo failed: {e}");
+            1
+        }
+    }
+}
+
+fn demo() -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let dir = std::env::temp_dir().join(format!("llm-sidecar-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut demo = Demo {
+        start: Instant::now(),
+        dir: dir.clone(),
+        children: Vec::new(),
+    };
+    let addr = || free_addr().map_err(|e| format!("no free loopback port: {e}"));
+    let (engine, control, listen, admin) = (addr()?, addr()?, addr()?, addr()?);
+    let discovery = dir.join("discovery");
+    let sidecar_log = dir.join("sidecar.log");
+
+    println!(
+        "llm-sidecar demo: a mock TensorRT-LLM engine, the sidecar beside it, and an engine failure.\n"
+    );
+    demo.say(format!("starting the mock TensorRT-LLM engine on {engine}"));
+    let mock = spawn(
+        &exe,
+        &[
+            "mock-engine",
+            "--listen",
+            &engine.to_string(),
+            "--control-listen",
+            &control.to_string(),
+            "--token-delay",
+            "5ms",
+        ]
+        .map(String::from),
+        &dir.join("mock.log"),
+    )
+    .map_err(|e| format!("cannot start the mock engine: {e}"))?;
+    demo.children.push(mock);
+    demo.say(format!(
+        "starting llm-sidecar: engine {engine}, request plane {listen}, admin {admin}"
+    ));
+    let sidecar = spawn(
+        &exe,
+        &[
+            "run",
+            "--engine-endpoint",
+            &engine.to_string(),
+            "--listen",
+            &listen.to_string(),
+            "--admin-listen",
+            &admin.to_string(),
+            "--discovery",
+            &format!("file:{}", discovery.display()),
+            "--retry-interval",
+            "100ms",
+            "--router-grace",
+            "1s",
+            "--drain-timeout",
+            "5s",
+        ]
+        .map(String::from),
+        &sidecar_log,
+    )
+    .map_err(|e| format!("cannot start the sidecar: {e}"))?;
+    demo.children.push(sidecar);
+
+    if !wait_for(Duration::from_secs(30), || {
+        record_files(&discovery).len() == 1
+    }) {
+        return Err(format!(
+            "the sidecar did not register; see {}",
+            sidecar_log.display()
+        ));
+    }
+    let record = record_files(&discovery).remove(0);
+    demo.say(format!(
+        "serving: the worker is registered in discovery at\n           {}",
+        record.display()
+    ));
+    if let Ok(text) = std::fs::read_to_string(&record) {
+        for line in text.lines().filter(|l| {
+            l.contains("\"address\"") || l.contains("\"name\"") || l.contains("\"instance_id\"")
+        }) {
+            println!("           {}", line.trim());
+        }
+    }
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let (answered, long_call) = runtime.block_on(async {
+        let channel = llm_sidecar_loadgen::connect(&listen.to_string())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut client = TrtllmServiceClient::new(channel.clone());
+        let mut tokens = 0;
+        for i in 0..3 {
+            let mut s = client
+                .generate(llm_sidecar_loadgen::request(format!("demo-{i}"), 16, 32))
+                .await
+                .map_err(|e| format!("call {i}: {e}"))?
+                .into_inner();
+            while let Some(m) = s.message().await.map_err(|e| format!("call {i}: {e}"))? {
+                if let Some(GenResponse::Chunk(c)) = m.response {
+                    tokens += c.token_ids.len();
+                }
+            }
+        }
+        let mut long_client = TrtllmServiceClient::new(channel);
+        let long_call = tokio::spawn(async move {
+            let mut s = long_client
+                .generate(llm_sidecar_loadgen::request("demo-long".into(), 16, 200))
+                .await?
+                .into_inner();
+            let mut n = 0;
+            while let Some(m) = s.message().await? {
+                if let Some(GenResponse::Chunk(c)) = m.response {
+                    n += c.token_ids.len();
+                }
+            }
+            Ok::<usize, tonic::Status>(n)
+        });
+        Ok::<_, String>((tokens, long_call))
+    })?;
+    demo.say(format!(
+        "3 Generate calls answered through the sidecar ({answered} tokens streamed)"
+    ));
+    std::thread::sleep(Duration::from_millis(200));
+    demo.say("a long call (200 tokens) is in flight; now the engine fails: its liveness turns NOT_SERVING");
+    let flipped = Instant::now();
+    http_get(control, "/liveness?status=2").ok_or("the mock's control endpoint did not answer")?;
+    if !wait_for(Duration::from_secs(10), || !record.exists()) {
+        return Err("the record was not withdrawn".into());
+    }
+    let withdrawn_after = flipped.elapsed();
+    demo.say(format!(
+        "loss detected; record withdrawn {:.1} ms after the failure: routers stop sending work here",
+        withdrawn_after.as_secs_f64() * 1000.0
+    ));
+    let refused = runtime.block_on(async {
+        let channel = llm_sidecar_loadgen::connect(&listen.to_string())
+            .await
+            .ok()?;
+        let mut c = TrtllmServiceClient::new(channel);
+        c.generate(llm_sidecar_loadgen::request("demo-late".into(), 4, 4))
+            .await
+            .err()
+    });
+    if let Some(status) = refused {
+        demo.say(format!(
+            "a new call now gets {:?} \"{}\": the caller retries on another worker",
+            status.code(),
+            status.message()
+        ));
+    }
+    let long = runtime.block_on(long_call).map_err(|e| e.to_string())?;
+    match long {
+        Ok(n) => demo.say(format!(
+            "the in-flight call drained: all {n} tokens delivered"
+        )),
+        Err(s) => demo.say(format!(
+            "the in-flight call ended with {:?}: {}",
+            s.code(),
+            s.message()
+        )),
+    }
+    let sidecar = demo.children.last_mut().ok_or("no sidecar")?;
+    let mut code = None;
+    wait_for(Duration::from_secs(15), || {
+        code = sidecar.try_wait().ok().flatten().and_then(|s| s.code());
+        code.is_some()
+    });
+    let code = code.ok_or("the sidecar did not exit")?;
+    demo.say(format!("the sidecar exited with code {code}"));
+    println!();
+    if let Ok(log) = std::fs::read_to_string(&sidecar_log) {
+        println!("the sidecar's log, as an operator sees it:");
+        for line in log
+            .lines()
+            .filter(|l| l.contains("ERROR") || l.contains("withdrawn") || l.contains("exiting"))
+        {
+            println!("  {line}");
+        }
+    }
+    println!();
+    println!(
+        "exit code {code} means the engine was lost. A supervisor restarts the worker: in Kubernetes\n\
+         the sidecar container exits, the pod restarts (restartPolicy: Always), the engine reloads its\n\
+         model, and the sidecar registers the new instance once it is ready. Exit 0 would mean a clean\n\
+         shutdown after SIGTERM; 3, a start-up that never completed; 2, bad flags."
+    );
+    let _ = http_get(control, "/stop");
+    if code != 1 {
+        return Err(format!(
+            "expected exit code 1 after the engine loss, got {code}"
+        ));
+    }
+    Ok(())
+}
