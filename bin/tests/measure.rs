@@ -72,10 +72,26 @@ fn liveness_flip_to_record_removal() {
 
 fn bench(target: std::net::SocketAddr, concurrency: usize, secs: u64) -> serde_json::Value {
     let out = std::process::Command::new(binary())
-        .args(["bench", "--target", &target.to_string(), "-c", &concurrency.to_string(), "-n", "256", "-d", &format!("{secs}s"), "--json"])
+        .args([
+            "bench",
+            "--target",
+            &target.to_string(),
+            "-c",
+            &concurrency.to_string(),
+            "-n",
+            "256",
+            "-d",
+            &format!("{secs}s"),
+            "--json",
+        ])
         .output()
         .expect("run bench");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bench output: {e}: {}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "bench output: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
 fn vm_kib(pid: u32, field: &str) -> u64 {
@@ -103,31 +119,55 @@ fn proxy_cost_against_the_engine_direct() {
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
     sidecar.wait_for_record(HANG);
     let idle = vm_kib(sidecar.proc.pid(), "VmRSS:");
-    println!("| streams | direct tok/s | sidecar tok/s | ratio | ITL p50 direct/sidecar (us) | ITL p99 direct/sidecar (us) | TTFT p50 direct/sidecar (us) | errors |");
+    println!(
+        "| streams | direct tok/s | sidecar tok/s | ratio | ITL p50 direct/sidecar (us) | ITL p99 direct/sidecar (us) | TTFT p50 direct/sidecar (us) | errors |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     for c in [1usize, 16, 64] {
-        let (mut dt, mut st, mut dp50, mut sp50, mut dp99, mut sp99, mut dttft, mut sttft) =
-            (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let (mut dt, mut st, mut dp50, mut sp50, mut dp99, mut sp99, mut dttft, mut sttft) = (
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+            vec![],
+        );
         let mut errors = 0u64;
         for _ in 0..3 {
             let d = bench(mock.grpc, c, 5);
             let s = bench(sidecar.listen, c, 5);
-            for (r, t, p50, p99, ttft) in [(&d, &mut dt, &mut dp50, &mut dp99, &mut dttft), (&s, &mut st, &mut sp50, &mut sp99, &mut sttft)] {
+            for (r, t, p50, p99, ttft) in [
+                (&d, &mut dt, &mut dp50, &mut dp99, &mut dttft),
+                (&s, &mut st, &mut sp50, &mut sp99, &mut sttft),
+            ] {
                 t.push(r["tokens_per_s"].as_f64().unwrap_or(0.0));
                 p50.push(r["itl"]["p50_us"].as_f64().unwrap_or(0.0));
                 p99.push(r["itl"]["p99_us"].as_f64().unwrap_or(0.0));
                 ttft.push(r["ttft"]["p50_us"].as_f64().unwrap_or(0.0));
-                errors += r["errors"].as_object().map_or(0, |e| e.values().filter_map(|v| v.as_u64()).sum());
+                errors += r["errors"]
+                    .as_object()
+                    .map_or(0, |e| e.values().filter_map(|v| v.as_u64()).sum());
             }
         }
         let (d, s) = (median(dt), median(st));
         println!(
             "| {c} | {d:.0} | {s:.0} | {:.2} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {errors} |",
             s / d,
-            median(dp50), median(sp50), median(dp99), median(sp99), median(dttft), median(sttft)
+            median(dp50),
+            median(sp50),
+            median(dp99),
+            median(sp99),
+            median(dttft),
+            median(sttft)
         );
         if c == 64 {
-            println!("sidecar RSS after 64 streams: {} KiB (peak {} KiB); idle before load {idle} KiB", vm_kib(sidecar.proc.pid(), "VmRSS:"), vm_kib(sidecar.proc.pid(), "VmHWM:"));
+            println!(
+                "sidecar RSS after 64 streams: {} KiB (peak {} KiB); idle before load {idle} KiB",
+                vm_kib(sidecar.proc.pid(), "VmRSS:"),
+                vm_kib(sidecar.proc.pid(), "VmHWM:")
+            );
         }
     }
 }

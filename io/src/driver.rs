@@ -4,7 +4,6 @@
 //! deadline, feed it to the [`Lifecycle`], perform every action in order, re-arm
 //! the one timer, repeat, until the core says exit.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
@@ -13,7 +12,6 @@ use llm_sidecar_core::{
     Action, Admission, Config as CoreConfig, Event, ExitCode, Level, Lifecycle,
     LivenessObservation, Phase, Time,
 };
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -33,16 +31,8 @@ use crate::status::{Shared, loss_kind};
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// A listen address could not be bound.
-    #[error("cannot listen on {addr} ({what}): {source}")]
-    Bind {
-        /// Which listener.
-        what: &'static str,
-        /// The address.
-        addr: SocketAddr,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] crate::net::BindError),
     /// The engine address cannot be used for a connection.
     #[error("--engine-endpoint {address}: {message}")]
     Engine {
@@ -118,20 +108,8 @@ async fn drive<D: Discovery>(
     discovery: Arc<D>,
     mut shutdown: mpsc::UnboundedReceiver<()>,
 ) -> Result<ExitCode, RunError> {
-    let admin = TcpListener::bind(config.admin_listen)
-        .await
-        .map_err(|source| RunError::Bind {
-            what: "admin",
-            addr: config.admin_listen,
-            source,
-        })?;
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| RunError::Bind {
-            what: "request plane",
-            addr: config.listen,
-            source,
-        })?;
+    let admin = crate::net::bind("admin", config.admin_listen).await?;
+    let listener = crate::net::bind("request plane", config.listen).await?;
     let engine_channel = engine::endpoint(&config.engine_endpoint, &config.timings)
         .map_err(|e| RunError::Engine {
             address: config.engine_endpoint.clone(),

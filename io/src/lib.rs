@@ -12,6 +12,7 @@ pub mod discovery;
 mod driver;
 pub mod engine;
 mod monitors;
+pub mod net;
 mod own_health;
 pub mod proxy;
 mod status;

@@ -126,16 +126,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Debug, thiserror::Error)]
 pub enum MockError {
     /// A listen address could not be bound.
-    #[error("cannot listen on {addr} ({what}): {source}")]
-    Bind {
-        /// Which listener.
-        what: &'static str,
-        /// The address.
-        addr: SocketAddr,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] llm_sidecar_io::net::BindError),
 }
 
 const SERVING: i32 = 1;
@@ -146,20 +138,8 @@ pub async fn run(
     config: MockConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), MockError> {
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| MockError::Bind {
-            what: "gRPC",
-            addr: config.listen,
-            source,
-        })?;
-    let control_listener = TcpListener::bind(config.control_listen)
-        .await
-        .map_err(|source| MockError::Bind {
-            what: "control",
-            addr: config.control_listen,
-            source,
-        })?;
+    let listener = llm_sidecar_io::net::bind("gRPC", config.listen).await?;
+    let control_listener = llm_sidecar_io::net::bind("control", config.control_listen).await?;
 
     let mut statuses = BTreeMap::new();
     match config.health {

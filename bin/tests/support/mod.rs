@@ -178,25 +178,37 @@ pub struct Mock {
 
 impl Mock {
     pub fn start(dir: &Path, grpc: SocketAddr, extra: &[&str]) -> Self {
-        let control = free_addr();
-        let mut args = vec![
-            "mock-engine".to_string(),
-            "--listen".into(),
-            grpc.to_string(),
-            "--control-listen".into(),
-            control.to_string(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let proc = Proc::spawn(&args, dir.join(format!("mock-{}.log", grpc.port())));
-        let mock = Mock {
-            proc,
-            grpc,
-            control,
-        };
-        wait_until(HANG, "the mock engine's control endpoint", || {
-            http_get(control, "/stats").is_some()
-        });
-        mock
+        // Ports come from `free_addr`, which another test may grab first: a bind
+        // failure of the control port is retried on a fresh one.
+        for attempt in 0..5 {
+            let control = free_addr();
+            let mut args = vec![
+                "mock-engine".to_string(),
+                "--listen".into(),
+                grpc.to_string(),
+                "--control-listen".into(),
+                control.to_string(),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let log = dir.join(format!("mock-{}-{attempt}.log", grpc.port()));
+            let mut proc = Proc::spawn(&args, log);
+            wait_until(HANG, "the mock engine to answer or exit", || {
+                http_get(control, "/stats").is_some() || !proc.running()
+            });
+            if proc.running() {
+                return Mock {
+                    proc,
+                    grpc,
+                    control,
+                };
+            }
+            let text = proc.log_text();
+            assert!(
+                text.contains("cannot listen on") && text.contains("(control)"),
+                "mock engine failed:\n{text}"
+            );
+        }
+        panic!("no free control port after 5 attempts");
     }
 
     pub fn control(&self, path: &str) -> String {
@@ -236,34 +248,48 @@ pub const FAST: &[&str] = &[
 
 impl Sidecar {
     pub fn start(dir: &Path, engine: SocketAddr, extra: &[&str]) -> Self {
-        let admin = free_addr();
-        let listen = free_addr();
         let discovery = dir.join("discovery");
-        let mut args = vec![
-            "run".to_string(),
-            "--engine-endpoint".into(),
-            engine.to_string(),
-            "--listen".into(),
-            listen.to_string(),
-            "--admin-listen".into(),
-            admin.to_string(),
-            "--discovery".into(),
-            format!("file:{}", discovery.display()),
-        ];
-        // The fast defaults, except those the test sets itself (clap refuses repeats).
-        for pair in FAST.chunks(2) {
-            if !extra.contains(&pair[0]) {
-                args.extend(pair.iter().map(|s| s.to_string()));
+        for attempt in 0..5 {
+            let admin = free_addr();
+            let listen = free_addr();
+            let mut args = vec![
+                "run".to_string(),
+                "--engine-endpoint".into(),
+                engine.to_string(),
+                "--listen".into(),
+                listen.to_string(),
+                "--admin-listen".into(),
+                admin.to_string(),
+                "--discovery".into(),
+                format!("file:{}", discovery.display()),
+            ];
+            // The fast defaults, except those the test sets itself (clap refuses repeats).
+            for pair in FAST.chunks(2) {
+                if !extra.contains(&pair[0]) {
+                    args.extend(pair.iter().map(|s| s.to_string()));
+                }
+            }
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let log = dir.join(format!("sidecar-{}-{attempt}.log", admin.port()));
+            let mut proc = Proc::spawn(&args, log);
+            // Ports come from `free_addr`, which another test may grab first: a
+            // bind failure is retried on fresh ports; anything else is the test's.
+            wait_until(
+                HANG,
+                "the sidecar's admin server to answer or the sidecar to exit",
+                || http_get(admin, "/live").is_some() || !proc.running(),
+            );
+            let text = proc.log_text();
+            if proc.running() || !text.contains("cannot listen on") {
+                return Sidecar {
+                    proc,
+                    admin,
+                    listen,
+                    discovery,
+                };
             }
         }
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let proc = Proc::spawn(&args, dir.join(format!("sidecar-{}.log", admin.port())));
-        Sidecar {
-            proc,
-            admin,
-            listen,
-            discovery,
-        }
+        panic!("no free ports for the sidecar after 5 attempts");
     }
 
     /// Every record file under the discovery directory.
