@@ -3,11 +3,10 @@
 //! `SIDECAR_<FLAG_IN_UPPER_SNAKE>`; flags win over the environment.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, FileDiscovery, Listed};
+use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed};
 use llm_sidecar_io::engine::{EngineKind, EngineProfile};
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_duration, parse_host_port};
 use tokio::sync::mpsc;
@@ -464,17 +463,21 @@ pub fn instances(args: InstancesArgs) -> i32 {
             return EXIT_USAGE;
         }
     };
-    let dir: PathBuf = match uri {
-        DiscoveryUri::File(dir) => dir,
-        DiscoveryUri::Etcd(_) => {
-            eprintln!("error: etcd discovery is not in this build yet; use file:<dir>");
-            return EXIT_USAGE;
+    let listed = runtime().block_on(async {
+        match &uri {
+            DiscoveryUri::File(dir) => FileDiscovery::new(dir.clone()).list().await,
+            DiscoveryUri::Etcd(endpoints) => {
+                let bound = Duration::from_secs(5);
+                EtcdDiscovery::new(endpoints.clone(), Duration::from_secs(10), bound)?
+                    .list()
+                    .await
+            }
         }
-    };
-    let listed = match runtime().block_on(FileDiscovery::new(dir.clone()).list()) {
+    });
+    let listed = match listed {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: cannot read {}: {e}", dir.display());
+            eprintln!("error: cannot read {uri}: {e}");
             return 1;
         }
     };
@@ -486,7 +489,7 @@ pub fn instances(args: InstancesArgs) -> i32 {
         return 0;
     }
     if listed.is_empty() {
-        println!("no instances registered in file:{}", dir.display());
+        println!("no instances registered in {uri}");
         return 0;
     }
     println!(

@@ -208,6 +208,7 @@ impl Lifecycle {
         w.in_flight.hash(&mut h);
         w.admission.hash(&mut h);
         w.shutdown_code.hash(&mut h);
+        w.discovery_failing.hash(&mut h);
         self.step.outbox.hash(&mut h);
         h.finish()
     }

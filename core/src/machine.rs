@@ -107,6 +107,9 @@ pub(crate) struct Worker {
     pub(crate) reason: Option<String>,
     /// The exit code decided when shutting down began (Draining: 0, Lost: 1).
     pub(crate) shutdown_code: ExitCode,
+    /// Discovery writes are failing: the first failure of a streak is warned
+    /// about, the retries are not (one line per outage, not per attempt).
+    pub(crate) discovery_failing: bool,
 }
 
 impl Worker {
@@ -126,6 +129,7 @@ impl Worker {
             since: now,
             reason: None,
             shutdown_code: ExitCode::Clean,
+            discovery_failing: false,
         }
     }
 
@@ -166,24 +170,29 @@ impl Worker {
             Event::Registered => {
                 if self.ledger.answer(Op::Register) {
                     self.ledger.maybe_present = true;
+                    self.discovery_recovered(step);
                 }
             }
             Event::RegistrationFailed { error } => {
                 if self.ledger.answer(Op::Register) && !self.ledger.withdraw_requested {
-                    step.log(
-                        Level::Warn,
-                        format!(
-                            "registering instance {} failed: {error}; retrying in {}",
-                            self.instance(),
-                            HumanDuration(self.config.retry_interval)
-                        ),
-                    );
+                    if !self.discovery_failing {
+                        self.discovery_failing = true;
+                        step.log(
+                            Level::Warn,
+                            format!(
+                                "registering instance {} failed: {error}; retrying every {}",
+                                self.instance(),
+                                HumanDuration(self.config.retry_interval)
+                            ),
+                        );
+                    }
                     self.arm_retry(step.now);
                 }
             }
             Event::Withdrawn => {
                 if self.ledger.answer(Op::Withdraw) {
                     self.ledger.maybe_present = false;
+                    self.discovery_recovered(step);
                     step.log(
                         Level::Info,
                         format!("instance {} withdrawn from discovery", self.instance()),
@@ -192,14 +201,17 @@ impl Worker {
             }
             Event::WithdrawFailed { error } => {
                 if self.ledger.answer(Op::Withdraw) {
-                    step.log(
-                        Level::Warn,
-                        format!(
-                            "withdrawing instance {} failed: {error}; retrying in {}",
-                            self.instance(),
-                            HumanDuration(self.config.retry_interval)
-                        ),
-                    );
+                    if !self.discovery_failing {
+                        self.discovery_failing = true;
+                        step.log(
+                            Level::Warn,
+                            format!(
+                                "withdrawing instance {} failed: {error}; retrying every {}",
+                                self.instance(),
+                                HumanDuration(self.config.retry_interval)
+                            ),
+                        );
+                    }
                     self.arm_retry(step.now);
                 }
             }
@@ -214,6 +226,14 @@ impl Worker {
             | Event::ShutdownSignal
             | Event::InFlightChanged { .. }
             | Event::TimerFired => {}
+        }
+    }
+
+    /// A discovery write succeeded after failures: say so once.
+    fn discovery_recovered(&mut self, step: &mut Step) {
+        if self.discovery_failing {
+            self.discovery_failing = false;
+            step.log(Level::Info, "discovery writes succeed again".to_string());
         }
     }
 

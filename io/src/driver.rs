@@ -19,7 +19,7 @@ use tonic::transport::Channel;
 use crate::admin_http::{self, Handler, Request, Response};
 use crate::config::RunConfig;
 use crate::discovery::{
-    Discovery, DiscoveryError, DiscoveryUri, EngineRecord, FileDiscovery, Record,
+    Discovery, DiscoveryError, DiscoveryUri, EngineRecord, EtcdDiscovery, FileDiscovery, Record,
 };
 use crate::engine::{self, EngineInfo, EngineProfile};
 use crate::monitors;
@@ -68,10 +68,18 @@ pub async fn run(
 ) -> Result<ExitCode, RunError> {
     match config.discovery.clone() {
         DiscoveryUri::File(dir) => drive(config, Arc::new(FileDiscovery::new(dir)), shutdown).await,
-        DiscoveryUri::Etcd(_) => Err(RunError::Discovery {
-            uri: config.discovery.to_string(),
-            message: "etcd discovery is not in this build yet; use file:<dir>".into(),
-        }),
+        DiscoveryUri::Etcd(endpoints) => {
+            let etcd = EtcdDiscovery::new(
+                endpoints,
+                config.timings.lease_ttl,
+                config.timings.connect_attempt_timeout,
+            )
+            .map_err(|e| RunError::Discovery {
+                uri: config.discovery.to_string(),
+                message: e.to_string(),
+            })?;
+            drive(config, Arc::new(etcd), shutdown).await
+        }
     }
 }
 

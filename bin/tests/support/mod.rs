@@ -82,15 +82,19 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(args: &[String], log: PathBuf) -> Self {
+        Proc::spawn_program(binary(), args, log)
+    }
+
+    pub fn spawn_program(program: &str, args: &[String], log: PathBuf) -> Self {
         let file = std::fs::File::create(&log).expect("create log file");
-        let child = Command::new(binary())
+        let child = Command::new(program)
             .args(args)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
-            .expect("spawn llm-sidecar");
+            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
         Proc {
             child,
             log,
@@ -260,9 +264,13 @@ impl Sidecar {
                 listen.to_string(),
                 "--admin-listen".into(),
                 admin.to_string(),
-                "--discovery".into(),
-                format!("file:{}", discovery.display()),
             ];
+            if !extra.contains(&"--discovery") {
+                args.extend([
+                    "--discovery".to_string(),
+                    format!("file:{}", discovery.display()),
+                ]);
+            }
             // The fast defaults, except those the test sets itself (clap refuses repeats).
             for pair in FAST.chunks(2) {
                 if !extra.contains(&pair[0]) {
@@ -333,3 +341,4 @@ impl Sidecar {
             .to_string()
     }
 }
+pub mod etcd;

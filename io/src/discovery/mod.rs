@@ -5,6 +5,7 @@
 //! its own (the core decides retries) and reports a lost registration through
 //! the channel handed to [`Discovery::register`].
 
+mod etcd;
 mod file;
 
 use std::future::Future;
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
+pub use etcd::EtcdDiscovery;
 pub use file::FileDiscovery;
 
 use crate::config::ConfigError;
