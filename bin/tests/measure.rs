@@ -171,3 +171,55 @@ fn proxy_cost_against_the_engine_direct() {
         }
     }
 }
+
+/// etcd discovery: liveness flip (control answered) to key deletion, 20 runs;
+/// and how long a SIGKILLed sidecar's record lives with the default 10 s TTL.
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn etcd_liveness_flip_to_key_deletion_and_killed_record_lifetime() {
+    const RUNS: usize = 20;
+    let dir = TempDir::new("measure-etcd");
+    let etcd = support::etcd::Etcd::started(&dir.0);
+    let endpoint = etcd.endpoint();
+    let mut samples = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let mock = Mock::start(&dir.0, free_addr(), &[]);
+        let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &["--discovery", &endpoint]);
+        sidecar.proc.wait_for_line("registered; serving", HANG);
+        wait_until(HANG, "the key", || etcd.keys().len() == 1);
+        let key = etcd.keys().remove(0);
+        std::thread::sleep(Duration::from_millis(200));
+        mock.control("/liveness?status=2");
+        let answered = Instant::now();
+        while etcd.get(&key).is_some() {
+            assert!(answered.elapsed() < HANG, "key never deleted");
+        }
+        samples.push(answered.elapsed());
+        assert_eq!(sidecar.proc.wait_exit(HANG), 1);
+    }
+    samples.sort();
+    println!(
+        "liveness NOT_SERVING -> etcd key deleted, from the control answer, {RUNS} runs: median {:?}, p90 {:?}, worst {:?}, best {:?}",
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.9),
+        samples[samples.len() - 1],
+        samples[0]
+    );
+    let mut lived = Vec::new();
+    for _ in 0..3 {
+        let mock = Mock::start(&dir.0, free_addr(), &[]);
+        let sidecar = Sidecar::start(&dir.0, mock.grpc, &["--discovery", &endpoint]);
+        sidecar.proc.wait_for_line("registered; serving", HANG);
+        wait_until(HANG, "the key", || etcd.keys().len() == 1);
+        let key = etcd.keys().remove(0);
+        std::thread::sleep(Duration::from_millis(1500));
+        let killed = Instant::now();
+        sidecar.proc.signal("KILL");
+        while etcd.get(&key).is_some() {
+            assert!(killed.elapsed() < HANG, "key never expired");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        lived.push(killed.elapsed());
+    }
+    println!("SIGKILLed sidecar's record lived (lease TTL 10s, keepalive every ~3.3s): {lived:?}");
+}
