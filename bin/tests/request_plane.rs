@@ -148,6 +148,46 @@ fn calls_through_the_sidecar_are_what_the_engine_sends() {
 }
 
 #[test]
+fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
+    let dir = TempDir::new("timeout");
+    let (mock, mut sidecar) = serving(&dir, &["--token-delay", "50ms"], &[]);
+    rt().block_on(async {
+        let mut c = client(sidecar.listen).await;
+        let mut request = tonic::Request::new(generate("slow", 4, 1000));
+        request.set_timeout(Duration::from_millis(400));
+        let started = Instant::now();
+        let outcome = async {
+            let mut stream = c.generate(request).await?.into_inner();
+            while stream.message().await?.is_some() {}
+            Ok::<(), tonic::Status>(())
+        }
+        .await;
+        let status = outcome.expect_err("the call outlives its grpc-timeout");
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    });
+    // The mock engine enforces no deadline itself: the reset it saw came from the sidecar.
+    wait_until(
+        Duration::from_secs(5),
+        "the engine to see the reset",
+        || {
+            mock.stats()["cancelled_ids"]
+                .as_array()
+                .is_some_and(|ids| ids.iter().any(|i| i == "slow"))
+        },
+    );
+    assert_eq!(
+        metric(
+            &sidecar,
+            "llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"
+        ),
+        Some(1.0)
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
 fn a_caller_cancel_resets_the_engine_stream_at_once() {
     let dir = TempDir::new("cancel");
     let (mock, mut sidecar) = serving(&dir, &["--token-delay", "50ms"], &[]);

@@ -7,8 +7,15 @@
 //! control endpoint changes its behaviour while it runs; see [`control`].
 
 mod control;
+mod echo;
 mod health;
 mod service;
+
+/// The mock's client-streaming Echo service (generated).
+pub mod echo_api {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("llm_sidecar.mock");
+}
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
