@@ -175,6 +175,12 @@ pub struct RunArgs {
     /// Largest header list (metadata) a client may send, in bytes.
     #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = 16 * 1024)]
     pub max_header_list_bytes: u32,
+    /// Threads of the async runtime. One is the default: the sidecar's work is
+    /// small beside the engine's, and one thread forwarded ~960k tokens/s in the
+    /// benchmark with the least CPU per message (docs/PERFORMANCE.md). Raise it
+    /// only for call rates far beyond what an engine produces.
+    #[arg(long, env = "SIDECAR_WORKER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: u16,
     /// Log format (stderr).
     #[arg(long, env = "SIDECAR_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -297,10 +303,15 @@ pub fn init_logging(format: LogFormat) {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    runtime_with(None)
+}
+
+fn runtime_with(worker_threads: Option<u16>) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = worker_threads {
+        builder.worker_threads(usize::from(n));
+    }
+    match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -338,6 +349,7 @@ fn shutdown_signals() -> mpsc::UnboundedReceiver<()> {
 
 /// `llm-sidecar run`.
 pub fn run(args: RunArgs) -> i32 {
+    let worker_threads = args.worker_threads;
     let config = match args.into_config() {
         Ok(c) => c,
         Err(e) => {
@@ -345,7 +357,7 @@ pub fn run(args: RunArgs) -> i32 {
             return EXIT_USAGE;
         }
     };
-    runtime().block_on(async move {
+    runtime_with(Some(worker_threads)).block_on(async move {
         match llm_sidecar_io::run(config, shutdown_signals()).await {
             Ok(code) => code.as_i32(),
             Err(e) => {

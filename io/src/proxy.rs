@@ -170,6 +170,7 @@ async fn handle(
     let guard = InFlight {
         plane: plane.clone(),
         ended: false,
+        bytes: 0,
     };
     Ok(forward(plane, req, guard).await)
 }
@@ -193,6 +194,7 @@ async fn forward(
         plane: plane.clone(),
         limiter: Limiter::new(plane.limits.max_message_bytes),
         verdict: verdict.clone(),
+        bytes: 0,
     };
     let request = http::Request::from_parts(parts, Body::new(request_body));
     let mut engine = plane.engine.clone();
@@ -261,10 +263,16 @@ struct InFlight {
     plane: Arc<Plane>,
     /// The call ended on its own terms (not dropped half-way by the caller).
     ended: bool,
+    /// Response bytes forwarded, added to the shared counter once, at the end.
+    bytes: u64,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.plane
+            .metrics
+            .bytes_to_caller
+            .fetch_add(self.bytes, Ordering::Relaxed);
         if !self.ended {
             self.plane
                 .metrics
@@ -333,6 +341,18 @@ struct RequestBody {
     plane: Arc<Plane>,
     limiter: Limiter,
     verdict: Arc<Verdict>,
+    /// Bytes forwarded, added to the shared counter once, when the body is dropped:
+    /// a shared atomic per frame would bounce its cache line between cores.
+    bytes: u64,
+}
+
+impl Drop for RequestBody {
+    fn drop(&mut self) {
+        self.plane
+            .metrics
+            .bytes_to_engine
+            .fetch_add(self.bytes, Ordering::Relaxed);
+    }
 }
 
 impl HttpBody for RequestBody {
@@ -439,11 +459,7 @@ impl HttpBody for ResponseBody {
         match ready!(Pin::new(inner).poll_frame(cx)) {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
-                    this.guard
-                        .plane
-                        .metrics
-                        .bytes_to_caller
-                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                    this.guard.bytes += data.len() as u64;
                     if this.limiter.feed(data).is_err() {
                         this.guard
                             .plane

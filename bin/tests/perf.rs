@@ -1,0 +1,408 @@
+//! Performance, side by side (issue 6). Measurements, not assertions.
+//!
+//! `bash scripts/bench.sh` runs both (it installs nginx and builds release first).
+//! Alone: `cargo test --release -p llm-sidecar --test perf -- --ignored --nocapture --test-threads 1`
+//! Knobs: PERF_SECS (5), PERF_REPS (3), PERF_STREAMS ("1,16,64,256"), DETECT_RUNS (20).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use support::etcd::Etcd;
+use support::*;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// CPU seconds (user + system) of a process and, for nginx, its workers.
+fn cpu_seconds(pids: &[u32]) -> f64 {
+    let tick = 100.0; // USER_HZ on Linux
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
+        })
+        .sum()
+}
+
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = vec![parent];
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
+            if ppid == Some(parent) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+fn peak_rss_kib(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+fn bench(target: SocketAddr, streams: usize, secs: u64) -> serde_json::Value {
+    let out = std::process::Command::new(binary())
+        .args([
+            "bench",
+            "--target",
+            &target.to_string(),
+            "-c",
+            &streams.to_string(),
+            "-n",
+            "256",
+            "-d",
+            &format!("{secs}s"),
+            "--json",
+            "--connections",
+            &((streams / 64).max(1)).to_string(),
+        ])
+        .output()
+        .expect("run bench");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "bench output: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// nginx as a plain gRPC reverse proxy (HTTP/2 both sides), or None if not installed.
+fn start_nginx(dir: &std::path::Path, engine: SocketAddr) -> Option<(Proc, SocketAddr)> {
+    let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())?;
+    let listen = free_addr();
+    let d = dir.join("nginx");
+    std::fs::create_dir_all(d.join("tmp")).ok()?;
+    let conf = format!(
+        "worker_processes 2;\ndaemon off;\nmaster_process on;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+         events {{ worker_connections 8192; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {d}/tmp;\n  proxy_temp_path {d}/tmp;\n  fastcgi_temp_path {d}/tmp;\n  uwsgi_temp_path {d}/tmp;\n  scgi_temp_path {d}/tmp;\n\
+         http2_max_concurrent_streams 4096;\n  keepalive_requests 10000000;\n  keepalive_timeout 300s;\n\
+         upstream engine {{ server {engine}; keepalive 128; keepalive_requests 10000000; keepalive_timeout 300s; }}\n\
+         server {{ listen {listen} http2; location / {{ grpc_pass grpc://engine; grpc_read_timeout 300s; grpc_send_timeout 300s; }} }}\n}}\n",
+        d = d.display()
+    );
+    std::fs::write(d.join("nginx.conf"), conf).ok()?;
+    let args = vec![
+        "-c".to_string(),
+        d.join("nginx.conf").display().to_string(),
+        "-p".into(),
+        d.display().to_string(),
+    ];
+    let proc = Proc::spawn_program(nginx, &args, d.join("stderr.log"));
+    wait_until(HANG, "nginx to listen", || {
+        std::net::TcpStream::connect(listen).is_ok()
+    });
+    Some((proc, listen))
+}
+
+/// One path's runs at one concurrency: tokens/s, calls/s, TTFT p50/p99, ITL
+/// p50/p99, proxy CPU seconds per million messages, and the error count.
+#[derive(Default)]
+struct Samples(
+    Vec<f64>,
+    Vec<f64>,
+    Vec<f64>,
+    Vec<f64>,
+    Vec<f64>,
+    Vec<f64>,
+    Vec<f64>,
+    u64,
+);
+
+#[test]
+#[ignore = "benchmark; run with --ignored --nocapture"]
+fn proxy_cost_side_by_side() {
+    let secs: u64 = env_or("PERF_SECS", 5);
+    let reps: usize = env_or("PERF_REPS", 3);
+    let streams: Vec<usize> = std::env::var("PERF_STREAMS")
+        .unwrap_or_else(|_| "1,16,64,256".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let dir = TempDir::new("perf");
+    let mock = Mock::start(&dir.0, free_addr(), &[]);
+    let threads = std::env::var("PERF_SIDECAR_THREADS").unwrap_or_default();
+    let sidecar_flags: Vec<&str> = if threads.is_empty() {
+        vec![]
+    } else {
+        vec!["--worker-threads", threads.as_str()]
+    };
+    let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
+    sidecar.wait_for_record(HANG);
+    let nginx = start_nginx(&dir.0, mock.grpc);
+    let idle_sidecar = peak_rss_kib(&[sidecar.proc.pid()]);
+    let mut targets: Vec<(&str, SocketAddr, Vec<u32>)> = vec![
+        ("direct", mock.grpc, vec![]),
+        ("llm-sidecar", sidecar.listen, vec![sidecar.proc.pid()]),
+    ];
+    if let Some((p, addr)) = &nginx {
+        targets.push(("nginx", *addr, children_of(p.pid())));
+    }
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "machine: {} cores; {secs}s per run, median of {reps} runs, 256 tokens per call, mock per-token delay 0\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let _ = writeln!(
+        report,
+        "| streams | path | tokens/s | calls/s | vs direct | vs nginx | TTFT p50/p99 (us) | ITL p50/p99 (us) | proxy CPU s per 1M msgs | proxy peak RSS (MiB) | errors |"
+    );
+    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for &c in &streams {
+        let mut rows: BTreeMap<&str, Samples> = BTreeMap::new();
+        for _ in 0..reps {
+            for (name, addr, pids) in &targets {
+                let pids = if *name == "nginx" {
+                    nginx
+                        .as_ref()
+                        .map(|(p, _)| children_of(p.pid()))
+                        .unwrap_or_default()
+                } else {
+                    pids.clone()
+                };
+                let cpu0 = cpu_seconds(&pids);
+                let r = bench(*addr, c, secs);
+                let cpu = cpu_seconds(&pids) - cpu0;
+                let calls = r["calls_ok"].as_f64().unwrap_or(0.0);
+                let msgs = calls * 258.0; // request + 256 chunks + complete
+                let e = rows.entry(name).or_default();
+                e.0.push(r["tokens_per_s"].as_f64().unwrap_or(0.0));
+                e.1.push(r["calls_per_s"].as_f64().unwrap_or(0.0));
+                e.2.push(r["ttft"]["p50_us"].as_f64().unwrap_or(0.0));
+                e.3.push(r["ttft"]["p99_us"].as_f64().unwrap_or(0.0));
+                e.4.push(r["itl"]["p50_us"].as_f64().unwrap_or(0.0));
+                e.5.push(r["itl"]["p99_us"].as_f64().unwrap_or(0.0));
+                if !pids.is_empty() && msgs > 0.0 {
+                    e.6.push(cpu / msgs * 1e6);
+                }
+                e.7 += r["errors"]
+                    .as_object()
+                    .map_or(0, |m| m.values().filter_map(|v| v.as_u64()).sum());
+            }
+        }
+        let tok = |n: &str| rows.get(n).map_or(f64::NAN, |r| median(r.0.clone()));
+        for (name, _, _) in &targets {
+            let r = &rows[name];
+            let t = median(r.0.clone());
+            let rss = match *name {
+                "llm-sidecar" => {
+                    format!("{:.1}", peak_rss_kib(&[sidecar.proc.pid()]) as f64 / 1024.0)
+                }
+                "nginx" => nginx.as_ref().map_or("-".into(), |(p, _)| {
+                    format!("{:.1}", peak_rss_kib(&children_of(p.pid())) as f64 / 1024.0)
+                }),
+                _ => "-".into(),
+            };
+            let cpu = if r.6.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.1}", median(r.6.clone()))
+            };
+            let _ = writeln!(
+                report,
+                "| {c} | {name} | {t:.0} | {:.0} | {:.2} | {} | {:.0}/{:.0} | {:.0}/{:.0} | {cpu} | {rss} | {} |",
+                median(r.1.clone()),
+                t / tok("direct"),
+                if nginx.is_some() {
+                    format!("{:.2}", t / tok("nginx"))
+                } else {
+                    "-".into()
+                },
+                median(r.2.clone()),
+                median(r.3.clone()),
+                median(r.4.clone()),
+                median(r.5.clone()),
+                r.7
+            );
+        }
+    }
+    let _ = writeln!(
+        report,
+        "\nllm-sidecar idle peak RSS before the load: {:.1} MiB",
+        idle_sidecar as f64 / 1024.0
+    );
+    if nginx.is_none() {
+        let _ = writeln!(
+            report,
+            "\nnginx not installed: run scripts/bench.sh, which installs it"
+        );
+    }
+    println!("{report}");
+    let _ = std::fs::write(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-proxy.md"),
+        &report,
+    );
+}
+
+/// What to do to the engine, and the flags that make the sidecar notice.
+#[derive(Clone, Copy)]
+enum Fault {
+    NotServing,
+    WatchEnds,
+    Kill,
+    Stop,
+    HealthCheckStalls,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::NotServing => "liveness NOT_SERVING",
+            Fault::WatchEnds => "Watch ends (graceful stop)",
+            Fault::Kill => "engine SIGKILL",
+            Fault::Stop => "engine SIGSTOP (keepalive 11s + 2s)",
+            Fault::HealthCheckStalls => "HealthCheck stalls (stale after 3s, probe 1s)",
+        }
+    }
+
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Fault::Stop => &[
+                "--keepalive-interval",
+                "11s",
+                "--keepalive-timeout",
+                "2s",
+                "--stale-after",
+                "60s",
+            ],
+            Fault::HealthCheckStalls => &["--probe-interval", "1s", "--stale-after", "3s"],
+            Fault::NotServing | Fault::WatchEnds | Fault::Kill => &[],
+        }
+    }
+
+    fn inject(self, mock: &Mock) {
+        match self {
+            Fault::NotServing => drop(mock.control("/liveness?status=2")),
+            Fault::WatchEnds => drop(mock.control("/watch/end")),
+            Fault::Kill => mock.proc.signal("KILL"),
+            Fault::Stop => mock.proc.signal("STOP"),
+            Fault::HealthCheckStalls => drop(mock.control("/healthcheck?mode=stall")),
+        }
+    }
+}
+
+fn fmt_ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+#[test]
+#[ignore = "benchmark; run with --ignored --nocapture"]
+fn detection_latency_per_fault() {
+    let runs: usize = env_or("DETECT_RUNS", 20);
+    let dir = TempDir::new("detect");
+    let etcd = Etcd::started(&dir.0);
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "fault injected -> record gone (file: the file removed; etcd: the key deleted), {runs} runs each\n"
+    );
+    let _ = writeln!(report, "| fault | discovery | median | p90 | worst |");
+    let _ = writeln!(report, "|---|---|---|---|---|");
+    for fault in [
+        Fault::NotServing,
+        Fault::WatchEnds,
+        Fault::Kill,
+        Fault::HealthCheckStalls,
+        Fault::Stop,
+    ] {
+        for discovery in ["file", "etcd"] {
+            let mut samples = Vec::with_capacity(runs);
+            for _ in 0..runs {
+                let mock = Mock::start(&dir.0, free_addr(), &[]);
+                let endpoint = etcd.endpoint();
+                let mut flags: Vec<&str> = fault.flags().to_vec();
+                if discovery == "etcd" {
+                    flags.extend(["--discovery", endpoint.as_str()]);
+                }
+                let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &flags);
+                sidecar.proc.wait_for_line("registered; serving", HANG);
+                let gone: Box<dyn Fn() -> bool> = if discovery == "file" {
+                    let path = sidecar.wait_for_record(HANG);
+                    Box::new(move || !path.exists())
+                } else {
+                    wait_until(HANG, "the key", || etcd.keys().len() == 1);
+                    let key = etcd.keys().remove(0);
+                    let etcd = &etcd;
+                    Box::new(move || etcd.get(&key).is_none())
+                };
+                std::thread::sleep(Duration::from_millis(300));
+                let start = Instant::now();
+                fault.inject(&mock);
+                while !gone() {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(60),
+                        "{} never detected",
+                        fault.name()
+                    );
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                samples.push(start.elapsed());
+                assert_eq!(sidecar.proc.wait_exit(HANG), 1);
+                if matches!(fault, Fault::Stop) {
+                    mock.proc.signal("KILL");
+                }
+            }
+            samples.sort();
+            let p = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+            let _ = writeln!(
+                report,
+                "| {} | {discovery} | {} | {} | {} |",
+                fault.name(),
+                fmt_ms(p(0.5)),
+                fmt_ms(p(0.9)),
+                fmt_ms(samples[samples.len() - 1])
+            );
+            println!(
+                "{} / {discovery}: median {}, worst {}",
+                fault.name(),
+                fmt_ms(p(0.5)),
+                fmt_ms(samples[samples.len() - 1])
+            );
+        }
+    }
+    println!("{report}");
+    let _ = std::fs::write(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-detection.md"),
+        &report,
+    );
+}

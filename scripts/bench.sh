@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Performance, side by side, in one command (docs/PERFORMANCE.md explains it):
+#   1. the same load straight to the mock engine, through llm-sidecar, and through
+#      nginx as a plain gRPC reverse proxy, at 1, 16, 64 and 256 streams;
+#   2. detection latency for each way an engine is lost, file and etcd discovery.
+# Reports land in target/perf-proxy.md and target/perf-detection.md.
+# Knobs: PERF_SECS, PERF_REPS, PERF_STREAMS, DETECT_RUNS (see bin/tests/perf.rs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+[ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+fi
+cargo build --release --locked -p llm-sidecar
+cargo test --release --locked -p llm-sidecar --test perf -- --ignored --nocapture --test-threads 1 "${@}"
