@@ -87,6 +87,19 @@ fn serving(dir: &TempDir, mock_args: &[&str], sidecar_args: &[&str]) -> (Mock, S
     (mock, sidecar)
 }
 
+/// Waits (bounded) until the mock engine recorded that call `id` was reset.
+fn wait_for_engine_reset(mock: &Mock, id: &str) {
+    wait_until(
+        Duration::from_secs(5),
+        "the engine to see the reset",
+        || {
+            mock.stats()["cancelled_ids"]
+                .as_array()
+                .is_some_and(|ids| ids.iter().any(|i| i == id))
+        },
+    );
+}
+
 fn metric(sidecar: &Sidecar, name: &str) -> Option<f64> {
     let (_, body) = http_get(sidecar.admin, "/metrics")?;
     body.lines()
@@ -167,15 +180,7 @@ fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
         assert!(started.elapsed() < Duration::from_secs(5));
     });
     // The mock engine enforces no deadline itself: the reset it saw came from the sidecar.
-    wait_until(
-        Duration::from_secs(5),
-        "the engine to see the reset",
-        || {
-            mock.stats()["cancelled_ids"]
-                .as_array()
-                .is_some_and(|ids| ids.iter().any(|i| i == "slow"))
-        },
-    );
+    wait_for_engine_reset(&mock, "slow");
     assert_eq!(
         metric(
             &sidecar,
@@ -204,15 +209,7 @@ fn a_caller_cancel_resets_the_engine_stream_at_once() {
         assert_eq!(metric(&sidecar, "llm_sidecar_in_flight"), Some(1.0));
         let dropped = Instant::now();
         drop(stream);
-        wait_until(
-            Duration::from_secs(5),
-            "the engine to see the reset",
-            || {
-                mock.stats()["cancelled_ids"]
-                    .as_array()
-                    .is_some_and(|ids| ids.iter().any(|i| i == "cancel-me"))
-            },
-        );
+        wait_for_engine_reset(&mock, "cancel-me");
         let seen_after = dropped.elapsed();
         assert!(
             seen_after < Duration::from_secs(1),
@@ -314,15 +311,7 @@ fn sigterm_cuts_a_stream_longer_than_the_drain_deadline() {
         elapsed < Duration::from_secs(10),
         "exited on time: {elapsed:?}"
     );
-    wait_until(
-        Duration::from_secs(5),
-        "the engine to see the reset",
-        || {
-            mock.stats()["cancelled_ids"]
-                .as_array()
-                .is_some_and(|ids| ids.iter().any(|i| i == "endless"))
-        },
-    );
+    wait_for_engine_reset(&mock, "endless");
     assert!(
         sidecar
             .proc

@@ -163,8 +163,8 @@ impl Worker {
         }
     }
 
-    /// Answers to discovery writes, shared by every state. Returns the event back
-    /// when it is not a discovery answer.
+    /// Books answers to discovery writes (and a lost lease); shared by every
+    /// state. Other events pass through untouched.
     fn book_discovery(&mut self, step: &mut Step, event: &Event) {
         match event {
             Event::Registered => {
