@@ -103,8 +103,30 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// nginx's master; stopped with SIGTERM so that it stops its workers too
+/// (the support `Proc` would SIGKILL the master and orphan them).
+struct Nginx(Proc);
+
+impl std::ops::Deref for Nginx {
+    type Target = Proc;
+    fn deref(&self) -> &Proc {
+        &self.0
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        if self.0.running() {
+            self.0.signal("TERM");
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                wait_until(HANG, "nginx to stop", || !self.0.running())
+            }));
+        }
+    }
+}
+
 /// nginx as a plain gRPC reverse proxy (HTTP/2 both sides), or None if not installed.
-fn start_nginx(dir: &std::path::Path, engine: SocketAddr) -> Option<(Proc, SocketAddr)> {
+fn start_nginx(dir: &std::path::Path, engine: SocketAddr) -> Option<(Nginx, SocketAddr)> {
     let nginx = ["/usr/sbin/nginx", "/usr/bin/nginx"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists())?;
@@ -127,7 +149,7 @@ fn start_nginx(dir: &std::path::Path, engine: SocketAddr) -> Option<(Proc, Socke
         "-p".into(),
         d.display().to_string(),
     ];
-    let proc = Proc::spawn_program(nginx, &args, d.join("stderr.log"));
+    let proc = Nginx(Proc::spawn_program(nginx, &args, d.join("stderr.log")));
     wait_until(HANG, "nginx to listen", || {
         std::net::TcpStream::connect(listen).is_ok()
     });
