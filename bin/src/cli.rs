@@ -266,6 +266,11 @@ pub struct MockArgs {
     /// Serve grpc.health.v1 without the liveness service until the control endpoint sets it.
     #[arg(long)]
     pub liveness_unregistered: bool,
+    /// Append one line per Generate event (`seen`, `done`, `error`, `cancelled`,
+    /// `aborted`, then the request id) to this file: the engine's side of a call
+    /// account that survives the mock being killed.
+    #[arg(long)]
+    pub journal: Option<std::path::PathBuf>,
     /// Log format (stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -380,6 +385,7 @@ pub fn mock_engine(args: MockArgs) -> i32 {
         max_input_len: args.max_input_len,
         max_seq_len: args.max_seq_len,
         token_delay: args.token_delay,
+        journal: args.journal,
         health: if args.no_health {
             HealthMode::Absent
         } else if args.liveness_unregistered {

@@ -277,6 +277,12 @@ async fn drive<D: Discovery>(
                             "request-plane connections did not close within 3s; exiting anyway"
                         );
                     }
+                    // The sidecar's side of the call account, once /metrics is gone.
+                    tracing::info!(
+                        "request plane account at exit: {} in_flight={}",
+                        plane.metrics.account(),
+                        plane.gate.in_flight()
+                    );
                     return Ok(code);
                 }
             }

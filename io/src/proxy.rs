@@ -36,18 +36,99 @@ use tonic::body::Body;
 use tonic::codegen::Service;
 use tonic::transport::Channel;
 
-/// Counters of the request plane, for `/metrics`.
+/// How a call on the request plane ended. Every call that reaches the proxy ends
+/// in exactly one of these, so the sidecar's account reconciles with what the
+/// callers and the engine saw (docs/RELIABILITY.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Forwarded; the engine ended it with OK.
+    Ok,
+    /// Forwarded; the engine ended it with a status of its own, passed unchanged.
+    EngineStatus,
+    /// Admission was closed: UNAVAILABLE "draining", never forwarded.
+    Refused,
+    /// The caller went away (cancel, reset) before the call ended.
+    CancelledByCaller,
+    /// Still running at the drain deadline: UNAVAILABLE to the caller, reset to the engine.
+    CutAtDeadline,
+    /// The caller's `grpc-timeout` passed: DEADLINE_EXCEEDED.
+    DeadlineExceeded,
+    /// A message above `--max-message-bytes`: RESOURCE_EXHAUSTED.
+    TooLarge,
+    /// The engine could not be reached: UNAVAILABLE, retryable elsewhere.
+    EngineUnreachable,
+    /// The engine connection broke mid-call: UNAVAILABLE, retryable elsewhere.
+    EngineFailed,
+}
+
+impl Outcome {
+    /// Every outcome, in the order the metrics and the exit account list them.
+    pub(crate) const ALL: [Outcome; 9] = [
+        Outcome::Ok,
+        Outcome::EngineStatus,
+        Outcome::Refused,
+        Outcome::CancelledByCaller,
+        Outcome::CutAtDeadline,
+        Outcome::DeadlineExceeded,
+        Outcome::TooLarge,
+        Outcome::EngineUnreachable,
+        Outcome::EngineFailed,
+    ];
+
+    /// The metric label and the key in the exit account.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::EngineStatus => "engine_status",
+            Outcome::Refused => "refused",
+            Outcome::CancelledByCaller => "cancelled_by_caller",
+            Outcome::CutAtDeadline => "cut_at_deadline",
+            Outcome::DeadlineExceeded => "deadline_exceeded",
+            Outcome::TooLarge => "too_large",
+            Outcome::EngineUnreachable => "engine_unreachable",
+            Outcome::EngineFailed => "engine_failed",
+        }
+    }
+
+    /// The outcome a `grpc-status` value from the engine means.
+    fn of_engine_status(value: Option<&http::HeaderValue>) -> Outcome {
+        match value.map(http::HeaderValue::as_bytes) {
+            Some(b"0") => Outcome::Ok,
+            _ => Outcome::EngineStatus,
+        }
+    }
+}
+
+/// Counters of the request plane, for `/metrics` and the account at exit.
 #[derive(Debug, Default)]
 pub(crate) struct ProxyMetrics {
+    /// Calls let through the gate (forwarded or about to be).
     pub(crate) admitted: AtomicU64,
-    pub(crate) refused: AtomicU64,
-    pub(crate) cancelled_by_caller: AtomicU64,
-    pub(crate) cut_at_deadline: AtomicU64,
-    pub(crate) deadline_exceeded: AtomicU64,
-    pub(crate) too_large: AtomicU64,
-    pub(crate) engine_unreachable: AtomicU64,
+    /// Calls ended, indexed like [`Outcome::ALL`].
+    ended: [AtomicU64; Outcome::ALL.len()],
     pub(crate) bytes_to_engine: AtomicU64,
     pub(crate) bytes_to_caller: AtomicU64,
+}
+
+impl ProxyMetrics {
+    fn record(&self, outcome: Outcome) {
+        self.ended[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Calls that ended with `outcome` so far.
+    pub(crate) fn ended(&self, outcome: Outcome) -> u64 {
+        self.ended[outcome as usize].load(Ordering::Relaxed)
+    }
+
+    /// One line with every counter, `key=value`, for the log at exit: the
+    /// sidecar's side of the reconciliation once its `/metrics` is gone.
+    pub(crate) fn account(&self) -> String {
+        let mut line = format!("admitted={}", self.admitted.load(Ordering::Relaxed));
+        for outcome in Outcome::ALL {
+            line.push_str(&format!(" {}={}", outcome.label(), self.ended(outcome)));
+        }
+        line
+    }
 }
 
 /// Limits on what a caller may send.
@@ -158,21 +239,47 @@ async fn handle(
             Err(never) => match never {},
         });
     }
-    if path == plane.health_rpc_path && !plane.serving.load(Ordering::Acquire) {
-        plane.metrics.refused.fetch_add(1, Ordering::Relaxed);
-        return Ok(status_response(Code::Unavailable, "draining"));
-    }
-    if !plane.gate.try_enter() {
-        plane.metrics.refused.fetch_add(1, Ordering::Relaxed);
-        return Ok(status_response(Code::Unavailable, "draining"));
+    if (path == plane.health_rpc_path && !plane.serving.load(Ordering::Acquire))
+        || !plane.gate.try_enter()
+    {
+        return Ok(refuse(&plane, req.into_body()).await);
     }
     plane.metrics.admitted.fetch_add(1, Ordering::Relaxed);
     let guard = InFlight {
         plane: plane.clone(),
-        ended: false,
+        outcome: None,
         bytes: 0,
     };
     Ok(forward(plane, req, guard).await)
+}
+
+/// How long a refused call's request may take to arrive before it is answered.
+const REFUSED_BODY_WAIT: Duration = Duration::from_millis(250);
+
+/// Answers a call that admission refused: UNAVAILABLE "draining", never forwarded.
+///
+/// The request is read to its end first. Answering while the caller is still
+/// sending makes HTTP/2 reset the stream, and h2 counts those resets: past 1,024
+/// on one connection it sends GOAWAY ENHANCE_YOUR_CALM, which would kill the
+/// calls still draining on that connection (a router retrying into a draining
+/// worker reaches that in seconds). A request that does not end within a short
+/// wait, or grows past the message limit, is answered anyway.
+async fn refuse(plane: &Plane, mut body: Incoming) -> http::Response<Body> {
+    plane.metrics.record(Outcome::Refused);
+    let limit = u64::from(plane.limits.max_message_bytes) + 5;
+    let read_to_end = async {
+        let mut read: u64 = 0;
+        while let Some(Ok(frame)) =
+            std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+        {
+            read += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if read > limit {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_BODY_WAIT, read_to_end).await;
+    status_response(Code::Unavailable, "draining")
 }
 
 /// Why a call ended early, shared by the request and response bodies.
@@ -211,21 +318,25 @@ async fn forward(
     let response = tokio::select! {
         response = call => response,
         () = plane.cut.cancelled() => {
-            plane.metrics.cut_at_deadline.fetch_add(1, Ordering::Relaxed);
-            guard.ended = true;
+            guard.outcome = Some(Outcome::CutAtDeadline);
             return status_response(Code::Unavailable, "drain deadline reached; retry on another worker");
         }
         () = until_deadline => {
-            plane.metrics.deadline_exceeded.fetch_add(1, Ordering::Relaxed);
-            guard.ended = true;
+            guard.outcome = Some(Outcome::DeadlineExceeded);
             return status_response(Code::DeadlineExceeded, "deadline exceeded (grpc-timeout)");
         }
     };
     match response {
         Ok(response) => {
             let (parts, body) = response.into_parts();
+            // A trailers-only response carries its status in the headers.
+            let status_in_headers = parts
+                .headers
+                .contains_key("grpc-status")
+                .then(|| Outcome::of_engine_status(parts.headers.get("grpc-status")));
             let body = ResponseBody {
                 inner: Some(body),
+                status_in_headers,
                 cut: Box::pin(plane.cut.clone().cancelled_owned()),
                 deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
                 limiter: Limiter::new(plane.limits.max_message_bytes),
@@ -235,18 +346,14 @@ async fn forward(
             http::Response::from_parts(parts, Body::new(body))
         }
         Err(e) => {
-            guard.ended = true;
             if verdict.too_large.load(Ordering::Acquire) {
-                plane.metrics.too_large.fetch_add(1, Ordering::Relaxed);
+                guard.outcome = Some(Outcome::TooLarge);
                 return status_response(
                     Code::ResourceExhausted,
                     &too_large_message(plane.limits.max_message_bytes),
                 );
             }
-            plane
-                .metrics
-                .engine_unreachable
-                .fetch_add(1, Ordering::Relaxed);
+            guard.outcome = Some(Outcome::EngineUnreachable);
             let text = crate::engine::error_chain(&e);
             status_response(Code::Unavailable, &format!("engine unavailable: {text}"))
         }
@@ -257,12 +364,13 @@ fn too_large_message(limit: u32) -> String {
     format!("message larger than the sidecar's limit of {limit} bytes")
 }
 
-/// An admitted call. Leaving the gate when dropped keeps the count exact
-/// whatever ends the call: its end, a caller's cancel, a cut, a panic.
+/// An admitted call. Leaving the gate and recording the outcome when dropped
+/// keeps both counts exact whatever ends the call: its end, a caller's cancel, a
+/// cut, a panic.
 struct InFlight {
     plane: Arc<Plane>,
-    /// The call ended on its own terms (not dropped half-way by the caller).
-    ended: bool,
+    /// How the call ended; `None` when it is dropped half-way, i.e. the caller left.
+    outcome: Option<Outcome>,
     /// Response bytes forwarded, added to the shared counter once, at the end.
     bytes: u64,
 }
@@ -273,12 +381,9 @@ impl Drop for InFlight {
             .metrics
             .bytes_to_caller
             .fetch_add(self.bytes, Ordering::Relaxed);
-        if !self.ended {
-            self.plane
-                .metrics
-                .cancelled_by_caller
-                .fetch_add(1, Ordering::Relaxed);
-        }
+        self.plane
+            .metrics
+            .record(self.outcome.unwrap_or(Outcome::CancelledByCaller));
         if self.plane.gate.leave().drained {
             self.plane.drained.notify_one();
         }
@@ -367,10 +472,7 @@ impl HttpBody for RequestBody {
         match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
-                    this.plane
-                        .metrics
-                        .bytes_to_engine
-                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                    this.bytes += data.len() as u64;
                     if this.limiter.feed(data).is_err() {
                         this.verdict.too_large.store(true, Ordering::Release);
                         // Failing the body resets the engine stream; the caller gets
@@ -398,6 +500,8 @@ impl HttpBody for RequestBody {
 struct ResponseBody {
     /// `None` once the call is over (the engine stream is dropped, i.e. reset).
     inner: Option<Body>,
+    /// The engine's status if it came in the response headers (trailers-only).
+    status_in_headers: Option<Outcome>,
     cut: Pin<Box<WaitForCancellationFutureOwned>>,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     limiter: Limiter,
@@ -409,11 +513,12 @@ impl ResponseBody {
     /// Ends the call with a status in the trailers, dropping the engine stream.
     fn end_with(
         &mut self,
+        outcome: Outcome,
         code: Code,
         message: &str,
     ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         self.inner = None;
-        self.guard.ended = true;
+        self.guard.outcome = Some(outcome);
         let mut trailers = http::HeaderMap::new();
         let _ = tonic::Status::new(code, message).add_header(&mut trailers);
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
@@ -433,12 +538,8 @@ impl HttpBody for ResponseBody {
             return Poll::Ready(None);
         }
         if this.cut.as_mut().poll(cx).is_ready() {
-            this.guard
-                .plane
-                .metrics
-                .cut_at_deadline
-                .fetch_add(1, Ordering::Relaxed);
             return this.end_with(
+                Outcome::CutAtDeadline,
                 Code::Unavailable,
                 "drain deadline reached; retry on another worker",
             );
@@ -446,12 +547,11 @@ impl HttpBody for ResponseBody {
         if let Some(deadline) = this.deadline.as_mut()
             && deadline.as_mut().poll(cx).is_ready()
         {
-            this.guard
-                .plane
-                .metrics
-                .deadline_exceeded
-                .fetch_add(1, Ordering::Relaxed);
-            return this.end_with(Code::DeadlineExceeded, "deadline exceeded (grpc-timeout)");
+            return this.end_with(
+                Outcome::DeadlineExceeded,
+                Code::DeadlineExceeded,
+                "deadline exceeded (grpc-timeout)",
+            );
         }
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
@@ -461,37 +561,37 @@ impl HttpBody for ResponseBody {
                 if let Some(data) = frame.data_ref() {
                     this.guard.bytes += data.len() as u64;
                     if this.limiter.feed(data).is_err() {
-                        this.guard
-                            .plane
-                            .metrics
-                            .too_large
-                            .fetch_add(1, Ordering::Relaxed);
                         let limit = this.limiter.limit;
-                        return this.end_with(Code::ResourceExhausted, &too_large_message(limit));
+                        return this.end_with(
+                            Outcome::TooLarge,
+                            Code::ResourceExhausted,
+                            &too_large_message(limit),
+                        );
                     }
-                } else if frame.is_trailers() {
+                } else if let Some(trailers) = frame.trailers_ref() {
+                    this.guard.outcome =
+                        Some(Outcome::of_engine_status(trailers.get("grpc-status")));
                     this.inner = None;
-                    this.guard.ended = true;
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Some(Err(status)) => {
                 if this.verdict.too_large.load(Ordering::Acquire) {
-                    this.guard
-                        .plane
-                        .metrics
-                        .too_large
-                        .fetch_add(1, Ordering::Relaxed);
                     let limit = this.limiter.limit;
-                    return this.end_with(Code::ResourceExhausted, &too_large_message(limit));
+                    return this.end_with(
+                        Outcome::TooLarge,
+                        Code::ResourceExhausted,
+                        &too_large_message(limit),
+                    );
                 }
                 // The engine connection broke mid-call: retryable elsewhere.
                 let message = format!("engine stream failed: {}", status.message());
-                this.end_with(Code::Unavailable, &message)
+                this.end_with(Outcome::EngineFailed, Code::Unavailable, &message)
             }
             None => {
+                // Ended without trailers: the status, if any, came in the headers.
                 this.inner = None;
-                this.guard.ended = true;
+                this.guard.outcome = Some(this.status_in_headers.unwrap_or(Outcome::EngineStatus));
                 Poll::Ready(None)
             }
         }

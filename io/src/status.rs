@@ -155,23 +155,25 @@ impl Status {
         let _ = writeln!(m, "llm_sidecar_in_flight {in_flight}");
         let _ = writeln!(
             m,
-            "# HELP llm_sidecar_calls_total Calls on the request plane, by outcome."
+            "# HELP llm_sidecar_calls_admitted_total Calls let through admission and forwarded."
+        );
+        let _ = writeln!(m, "# TYPE llm_sidecar_calls_admitted_total counter");
+        let _ = writeln!(
+            m,
+            "llm_sidecar_calls_admitted_total {}",
+            proxy.admitted.load(Relaxed)
+        );
+        let _ = writeln!(
+            m,
+            "# HELP llm_sidecar_calls_total Calls on the request plane that ended, by outcome."
         );
         let _ = writeln!(m, "# TYPE llm_sidecar_calls_total counter");
-        let outcomes = [
-            ("admitted", &proxy.admitted),
-            ("refused", &proxy.refused),
-            ("cancelled_by_caller", &proxy.cancelled_by_caller),
-            ("cut_at_deadline", &proxy.cut_at_deadline),
-            ("deadline_exceeded", &proxy.deadline_exceeded),
-            ("too_large", &proxy.too_large),
-            ("engine_unreachable", &proxy.engine_unreachable),
-        ];
-        for (outcome, n) in outcomes {
+        for outcome in crate::proxy::Outcome::ALL {
             let _ = writeln!(
                 m,
-                "llm_sidecar_calls_total{{outcome=\"{outcome}\"}} {}",
-                n.load(Relaxed)
+                "llm_sidecar_calls_total{{outcome=\"{}\"}} {}",
+                outcome.label(),
+                proxy.ended(outcome)
             );
         }
         let _ = writeln!(

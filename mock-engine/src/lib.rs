@@ -60,6 +60,8 @@ pub struct MockConfig {
     pub token_delay: Duration,
     /// How health is served.
     pub health: HealthMode,
+    /// Where to append the Generate journal, if anywhere.
+    pub journal: Option<std::path::PathBuf>,
 }
 
 /// How HealthCheck answers.
@@ -102,6 +104,8 @@ pub(crate) struct State {
     pub(crate) version: Mutex<String>,
     pub(crate) counters: Counters,
     pub(crate) seen_ids: Mutex<Vec<String>>,
+    /// The open journal file (append mode), if the mock keeps one.
+    pub(crate) journal: Mutex<Option<std::fs::File>>,
     pub(crate) cancelled_ids: Mutex<Vec<String>>,
     /// Fires when every open call must end (after a graceful stop's grace).
     pub(crate) cancel_calls: CancellationToken,
@@ -123,6 +127,18 @@ impl State {
     pub(crate) fn status_of(&self, service: &str) -> Option<i32> {
         lock(&self.statuses).get(service).copied()
     }
+
+    /// Appends `<event> <request id>` to the journal. One `write` per line on an
+    /// append-mode file: lines never interleave and survive a SIGKILL.
+    pub(crate) fn journal(&self, event: &str, request_id: &str) {
+        use std::io::Write;
+        if let Some(file) = lock(&self.journal).as_mut() {
+            let line = format!("{event} {request_id}\n");
+            if let Err(e) = file.write_all(line.as_bytes()) {
+                tracing::warn!("journal write failed: {e}");
+            }
+        }
+    }
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -135,6 +151,14 @@ pub enum MockError {
     /// A listen address could not be bound.
     #[error(transparent)]
     Bind(#[from] llm_sidecar_io::net::BindError),
+    /// The journal file could not be opened for appending.
+    #[error("cannot open the journal {path}: {source}")]
+    Journal {
+        /// The journal path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
 }
 
 const SERVING: i32 = 1;
@@ -145,6 +169,19 @@ pub async fn run(
     config: MockConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), MockError> {
+    let journal = match &config.journal {
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| MockError::Journal {
+                    path: path.display().to_string(),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
     let listener = llm_sidecar_io::net::bind("gRPC", config.listen).await?;
     let control_listener = llm_sidecar_io::net::bind("control", config.control_listen).await?;
 
@@ -172,6 +209,7 @@ pub async fn run(
         health_check: Mutex::new(HealthCheckMode::Ok),
         counters: Counters::default(),
         seen_ids: Mutex::new(Vec::new()),
+        journal: Mutex::new(journal),
         cancelled_ids: Mutex::new(Vec::new()),
         cancel_calls: CancellationToken::new(),
         stop_requested: stop_tx,

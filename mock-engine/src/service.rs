@@ -69,7 +69,9 @@ impl TrtllmService for Engine {
             .generate_started
             .fetch_add(1, Ordering::Relaxed);
         lock(&state.seen_ids).push(request.request_id.clone());
+        state.journal("seen", &request.request_id);
         if let Some(status) = requested_error(&request.request_id) {
+            state.journal("error", &request.request_id);
             return Err(status);
         }
         let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -87,6 +89,7 @@ impl TrtllmService for Engine {
                     .generate_cancelled
                     .fetch_add(1, Ordering::Relaxed);
                 lock(&state.cancelled_ids).push(id.to_string());
+                state.journal("cancelled", id);
             };
             for i in 0..request.max_tokens {
                 if !delay.is_zero() {
@@ -94,6 +97,7 @@ impl TrtllmService for Engine {
                         () = tokio::time::sleep(delay) => {}
                         () = tx.closed() => return cancelled(&state, &request.request_id),
                         () = state.cancel_calls.cancelled() => {
+                            state.journal("aborted", &request.request_id);
                             let _ = tx.send(Err(Status::unavailable("Cancelling all calls"))).await;
                             return;
                         }
@@ -131,6 +135,7 @@ impl TrtllmService for Engine {
             if tx.send(Ok(complete)).await.is_err() {
                 return cancelled(&state, &request.request_id);
             }
+            state.journal("done", &request.request_id);
             state
                 .counters
                 .generate_completed

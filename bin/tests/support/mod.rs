@@ -42,6 +42,11 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        // KEEP_TEST_DIRS=1 keeps a failed test's logs and journals for reading.
+        if std::thread::panicking() && std::env::var_os("KEEP_TEST_DIRS").is_some() {
+            eprintln!("kept {}", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -135,6 +140,11 @@ impl Proc {
         self.status
             .and_then(|s| s.code())
             .expect("exited with a code, not a signal")
+    }
+
+    /// Waits for the process to end, by exit or by signal.
+    pub fn wait_exit_or_signal(&mut self, limit: Duration) {
+        wait_until(limit, "the process to end", || !self.running());
     }
 
     pub fn log_text(&self) -> String {
@@ -341,4 +351,81 @@ impl Sidecar {
             .to_string()
     }
 }
+pub mod account;
 pub mod etcd;
+pub mod relay;
+
+/// A small tmpfs mounted over a directory (the tests run as root in CI): a
+/// discovery directory that can be made read-only or full. Unmounted when dropped.
+pub struct Tmpfs {
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (e.g. "64k") on `dir`; panics with the reason
+    /// if this machine cannot (the fault tests need root, as CI has).
+    pub fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).expect("create mount point");
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "mounting a tmpfs needs root (CI runs as root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// Remounts read-only (`true`) or read-write (`false`).
+    pub fn set_read_only(&self, ro: bool) {
+        let opt = if ro { "remount,ro" } else { "remount,rw" };
+        let ok = Command::new("mount")
+            .args(["-o", opt])
+            .arg(&self.dir)
+            .status()
+            .expect("run mount")
+            .success();
+        assert!(ok, "mount -o {opt} {}", self.dir.display());
+    }
+
+    /// Files whose name ends in `.tmp` anywhere below: half-written records.
+    pub fn temp_files(&self) -> Vec<PathBuf> {
+        fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    walk(&p, out);
+                } else if p.to_string_lossy().ends_with(".tmp") {
+                    out.push(p);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.dir, &mut out);
+        out
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+impl Sidecar {
+    /// The sidecar's own account of calls, from its log line at exit.
+    pub fn account(&self) -> account::SidecarAccount {
+        account::SidecarAccount::from_log(&self.proc.log_text()).unwrap_or_else(|| {
+            panic!(
+                "no 'request plane account at exit' line in {}:\n{}",
+                self.proc.log.display(),
+                self.proc.log_text()
+            )
+        })
+    }
+}
