@@ -186,6 +186,47 @@ fn an_etcd_outage_longer_than_the_ttl_is_survived_with_a_fresh_lease() {
 }
 
 #[test]
+fn an_etcd_outage_shorter_than_the_ttl_keeps_the_lease_and_loses_no_call() {
+    use support::account::{Load, Shape, reconcile_settled};
+    let dir = TempDir::new("etcd-blip");
+    let etcd = Etcd::started(&dir.0);
+    let journal = dir.0.join("engine.journal");
+    let journal_arg = journal.display().to_string();
+    let mock = Mock::start(
+        &dir.0,
+        free_addr(),
+        &["--token-delay", "5ms", "--journal", &journal_arg],
+    );
+    let endpoint = etcd.endpoint();
+    let mut sidecar = Sidecar::start(
+        &dir.0,
+        mock.grpc,
+        &["--discovery", &endpoint, "--lease-ttl", "6s"],
+    );
+    sidecar.proc.wait_for_line("registered; serving", HANG);
+    let key = key_of(&etcd);
+    let lease = etcd.get(&key).expect("key").lease;
+    let load = Load::start(sidecar.listen, Shape::mixed("etcd-blip"));
+    std::thread::sleep(Duration::from_millis(500));
+    // Frozen, not stopped: etcd keeps its state and comes back where it was,
+    // after missing one keepalive (TTL/3 = 2 s) but well inside the TTL.
+    etcd.signal("STOP");
+    std::thread::sleep(Duration::from_millis(2500));
+    etcd.signal("CONT");
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(etcd.get(&key).expect("key still there").lease, lease);
+    assert!(sidecar.proc.line_index("discovery dropped instance").is_none());
+    assert_eq!(sidecar.state()["state"], "Serving");
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(etcd.get(&key).is_none());
+    let ledger = load.stop();
+    let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
+    println!("etcd outage 2.5s < TTL 6s: {report}");
+    assert_eq!(ledger.count("engine_failed"), 0, "{report}");
+}
+
+#[test]
 fn etcd_down_at_startup_is_waited_for_until_the_deadline() {
     let dir = TempDir::new("etcd-late");
     let mut etcd = Etcd::new(&dir.0);

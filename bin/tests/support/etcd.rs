@@ -92,6 +92,11 @@ impl Etcd {
         wait_until(HANG, "etcd to answer", || self.try_keys().is_ok());
     }
 
+    /// Sends a signal to the running etcd (STOP/CONT: an outage without a restart).
+    pub fn signal(&self, sig: &str) {
+        self.proc.as_ref().expect("etcd running").signal(sig);
+    }
+
     /// Stops etcd (SIGTERM, then waits for it).
     pub fn stop(&mut self) {
         if let Some(mut p) = self.proc.take() {
