@@ -3,11 +3,13 @@
 //! `SIDECAR_<FLAG_IN_UPPER_SNAKE>`; flags win over the environment.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed};
 use llm_sidecar_io::engine::{EngineKind, EngineProfile};
+use llm_sidecar_io::tls::{EtcdTls, ServerTlsFiles};
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_duration, parse_host_port};
 use tokio::sync::mpsc;
 
@@ -175,6 +177,19 @@ pub struct RunArgs {
     /// Largest header list (metadata) a client may send, in bytes.
     #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = 16 * 1024)]
     pub max_header_list_bytes: u32,
+    /// Serve the request plane over TLS with this certificate chain (PEM, leaf
+    /// first). Needs --tls-key. Callers then connect with https:// and ALPN h2.
+    #[arg(long, env = "SIDECAR_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "SIDECAR_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates that chain to this CA bundle (PEM): mutual
+    /// TLS. A caller without one fails the handshake. Needs --tls-cert.
+    #[arg(long, env = "SIDECAR_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    #[command(flatten)]
+    pub etcd_tls: EtcdTlsArgs,
     /// Threads of the async runtime. One is the default: the sidecar's work is
     /// small beside the engine's, and one thread forwarded ~960k tokens/s in the
     /// benchmark with the least CPU per message (docs/PERFORMANCE.md). Raise it
@@ -229,7 +244,44 @@ impl RunArgs {
                 max_concurrent_streams: self.max_concurrent_streams.max(1),
                 max_header_list_bytes: self.max_header_list_bytes.max(1024),
             },
+            tls: match (self.tls_cert, self.tls_key) {
+                (Some(cert), Some(key)) => Some(
+                    ServerTlsFiles {
+                        cert,
+                        key,
+                        client_ca: self.tls_client_ca,
+                    }
+                    .load()?,
+                ),
+                _ => None,
+            },
+            etcd_tls: self.etcd_tls.load()?,
         })
+    }
+}
+
+/// TLS towards etcd (for `--discovery etcd://...`).
+#[derive(Debug, Args)]
+pub struct EtcdTlsArgs {
+    /// Talk to etcd over TLS, trusting this CA bundle (PEM) for etcd's certificate,
+    /// which must name the host as written in --discovery.
+    #[arg(long, env = "SIDECAR_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd's --client-cert-auth. Needs --etcd-ca and --etcd-key.
+    #[arg(long, env = "SIDECAR_ETCD_CERT", requires_all = ["etcd_ca", "etcd_key"])]
+    pub etcd_cert: Option<PathBuf>,
+    /// Private key (PEM) of --etcd-cert.
+    #[arg(long, env = "SIDECAR_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+}
+
+impl EtcdTlsArgs {
+    /// Reads and checks the files, if TLS towards etcd was asked for.
+    pub fn load(&self) -> Result<Option<EtcdTls>, ConfigError> {
+        self.etcd_ca
+            .as_deref()
+            .map(|ca| EtcdTls::load(ca, self.etcd_cert.as_deref(), self.etcd_key.as_deref()))
+            .transpose()
     }
 }
 
@@ -289,6 +341,8 @@ pub struct InstancesArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub etcd_tls: EtcdTlsArgs,
 }
 
 /// Sets up tracing to stderr; `RUST_LOG` overrides the default `info`.
@@ -481,14 +535,26 @@ pub fn instances(args: InstancesArgs) -> i32 {
             return EXIT_USAGE;
         }
     };
+    let etcd_tls = match args.etcd_tls.load() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
     let listed = runtime().block_on(async {
         match &uri {
             DiscoveryUri::File(dir) => FileDiscovery::new(dir.clone()).list().await,
             DiscoveryUri::Etcd(endpoints) => {
                 let bound = Duration::from_secs(5);
-                EtcdDiscovery::new(endpoints.clone(), Duration::from_secs(10), bound)?
-                    .list()
-                    .await
+                EtcdDiscovery::new(
+                    endpoints.clone(),
+                    Duration::from_secs(10),
+                    bound,
+                    etcd_tls.as_ref(),
+                )?
+                .list()
+                .await
             }
         }
     });

@@ -215,7 +215,12 @@ fn an_etcd_outage_shorter_than_the_ttl_keeps_the_lease_and_loses_no_call() {
     etcd.signal("CONT");
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(etcd.get(&key).expect("key still there").lease, lease);
-    assert!(sidecar.proc.line_index("discovery dropped instance").is_none());
+    assert!(
+        sidecar
+            .proc
+            .line_index("discovery dropped instance")
+            .is_none()
+    );
     assert_eq!(sidecar.state()["state"], "Serving");
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);

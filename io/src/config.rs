@@ -45,6 +45,16 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// A TLS file that cannot be read or used.
+    #[error("{flag} = {path}: {message}")]
+    Tls {
+        /// The flag.
+        flag: &'static str,
+        /// The file as given.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
     /// A discovery URI that is not `file:<dir>` or `etcd://host:port[,...]`.
     #[error("--discovery = {value:?}: {message}")]
     Discovery {
@@ -186,6 +196,10 @@ pub struct RunConfig {
     pub timings: Timings,
     /// Request-plane limits.
     pub limits: crate::proxy::Limits,
+    /// TLS on the request plane; `None`: plaintext HTTP/2.
+    pub tls: Option<crate::tls::ServerTls>,
+    /// TLS towards etcd; `None`: plaintext.
+    pub etcd_tls: Option<crate::tls::EtcdTls>,
 }
 
 /// Parses `300ms`, `5s`, `1.5s`, `2m`, `1h`, `1h30m`, `250us`: a sequence of

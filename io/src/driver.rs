@@ -73,6 +73,7 @@ pub async fn run(
                 endpoints,
                 config.timings.lease_ttl,
                 config.timings.connect_attempt_timeout,
+                config.etcd_tls.as_ref(),
             )
             .map_err(|e| RunError::Discovery {
                 uri: config.discovery.to_string(),
@@ -156,6 +157,7 @@ async fn drive<D: Discovery>(
     let connections = tokio_util::task::TaskTracker::new();
     tokio::spawn(proxy::serve(
         listener,
+        config.tls.clone(),
         plane.clone(),
         root.child_token(),
         connections.clone(),
@@ -183,6 +185,11 @@ async fn drive<D: Discovery>(
         engine = %config.engine_endpoint,
         discovery = %config.discovery,
         admin = %config.admin_listen,
+        request_plane = match &config.tls {
+            None => "h2 plaintext",
+            Some(t) if t.mutual => "h2 over TLS, client certificates required",
+            Some(_) => "h2 over TLS",
+        },
         "llm-sidecar starting: instance {instance_hex}, waiting for the {} engine at {}",
         config.engine.display_name(),
         config.engine_endpoint,

@@ -17,6 +17,7 @@ mod own_health;
 pub mod proxy;
 mod status;
 pub mod timefmt;
+pub mod tls;
 
 pub use config::{ConfigError, RunConfig, Timings, parse_duration, parse_host_port};
 pub use driver::{RunError, run};

@@ -182,9 +182,14 @@ fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
     })
 }
 
-/// Serves the request plane on `listener` until `cancel` fires.
+/// How long a caller gets to finish the TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the request plane on `listener` until `cancel` fires, over TLS when
+/// `tls` is set.
 pub(crate) async fn serve(
     listener: TcpListener,
+    tls: Option<crate::tls::ServerTls>,
     plane: Arc<Plane>,
     cancel: CancellationToken,
     connections: tokio_util::task::TaskTracker,
@@ -194,8 +199,8 @@ pub(crate) async fn serve(
             () = cancel.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 tracing::warn!("request plane: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -205,26 +210,57 @@ pub(crate) async fn serve(
         let _ = stream.set_nodelay(true);
         let plane = plane.clone();
         let cancel = cancel.clone();
+        let tls = tls.clone();
         connections.spawn(async move {
-            let limits = plane.limits;
-            let service = service_fn(move |req| handle(plane.clone(), req));
-            let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .max_concurrent_streams(limits.max_concurrent_streams)
-                .max_header_list_size(limits.max_header_list_bytes)
-                .initial_stream_window_size(1 << 20)
-                .initial_connection_window_size(4 << 20)
-                .serve_connection(TokioIo::new(stream), service);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                // Garbage, HTTP/1 or a protocol error ends this connection only.
-                _ = conn.as_mut() => return,
-                () = cancel.cancelled() => {}
-            }
-            // Exiting: GOAWAY, let the last frames (trailers) reach the caller.
-            conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn).await;
+            let Some(tls) = tls else {
+                return serve_connection(stream, plane, cancel).await;
+            };
+            let handshake =
+                tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream));
+            let stream = tokio::select! {
+                () = cancel.cancelled() => return,
+                handshake = handshake => match handshake {
+                    Ok(Ok(stream)) => stream,
+                    // A failed handshake (no or untrusted client certificate, not
+                    // TLS at all) ends this connection only; the caller's TLS stack
+                    // gets the alert.
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, "request plane: TLS handshake failed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "request plane: TLS handshake timed out");
+                        return;
+                    }
+                },
+            };
+            serve_connection(stream, plane, cancel).await;
         });
     }
+}
+
+/// One caller connection: HTTP/2 only, until it ends or the sidecar exits.
+async fn serve_connection<IO>(io: IO, plane: Arc<Plane>, cancel: CancellationToken)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let limits = plane.limits;
+    let service = service_fn(move |req| handle(plane.clone(), req));
+    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .max_header_list_size(limits.max_header_list_bytes)
+        .initial_stream_window_size(1 << 20)
+        .initial_connection_window_size(4 << 20)
+        .serve_connection(TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        // Garbage, HTTP/1 or a protocol error ends this connection only.
+        _ = conn.as_mut() => return,
+        () = cancel.cancelled() => {}
+    }
+    // Exiting: GOAWAY, let the last frames (trailers) reach the caller.
+    conn.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn).await;
 }
 
 async fn handle(

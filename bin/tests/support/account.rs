@@ -126,6 +126,12 @@ pub struct Load {
 
 impl Load {
     pub fn start(target: SocketAddr, shape: Shape) -> Load {
+        let endpoint = Endpoint::from_shared(format!("http://{target}")).expect("endpoint");
+        Load::start_on(endpoint, shape)
+    }
+
+    /// Load on any endpoint (e.g. `https://` with a TLS configuration).
+    pub fn start_on(endpoint: Endpoint, shape: Shape) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
@@ -134,7 +140,7 @@ impl Load {
                 .enable_all()
                 .build()
                 .expect("runtime");
-            rt.block_on(run(target, shape, flag))
+            rt.block_on(run(endpoint, shape, flag))
         });
         Load {
             stop,
@@ -159,9 +165,8 @@ impl Drop for Load {
     }
 }
 
-async fn run(target: SocketAddr, shape: Shape, stop: Arc<AtomicBool>) -> Ledger {
-    let channel = Endpoint::from_shared(format!("http://{target}"))
-        .expect("endpoint")
+async fn run(endpoint: Endpoint, shape: Shape, stop: Arc<AtomicBool>) -> Ledger {
+    let channel = endpoint
         .connect_timeout(Duration::from_secs(1))
         .connect_lazy();
     let mut workers = Vec::new();

@@ -75,14 +75,27 @@ impl EtcdDiscovery {
         endpoints: Vec<String>,
         ttl: Duration,
         bound: Duration,
+        tls: Option<&crate::tls::EtcdTls>,
     ) -> Result<Self, DiscoveryError> {
         let mut list = Vec::with_capacity(endpoints.len());
+        let scheme = if tls.is_some() { "https" } else { "http" };
         for e in &endpoints {
-            let endpoint = Endpoint::from_shared(format!("http://{e}"))
-                .map_err(|err| DiscoveryError::Unsupported(format!("etcd endpoint {e}: {err}")))?
+            let unsupported = |err: &dyn std::fmt::Display| {
+                DiscoveryError::Unsupported(format!("etcd endpoint {e}: {err}"))
+            };
+            let mut endpoint = Endpoint::from_shared(format!("{scheme}://{e}"))
+                .map_err(|err| unsupported(&err))?
                 .connect_timeout(bound)
                 .timeout(bound)
                 .tcp_nodelay(true);
+            if let Some(tls) = tls {
+                // The certificate must name the host as written in --discovery.
+                let host = e.rsplit_once(':').map_or(e.as_str(), |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                endpoint = endpoint
+                    .tls_config(tls.client_config(host))
+                    .map_err(|err| unsupported(&err))?;
+            }
             list.push(endpoint);
         }
         Ok(EtcdDiscovery {
