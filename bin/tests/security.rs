@@ -255,3 +255,75 @@ fn the_admin_server_is_on_loopback_by_default_and_shows_no_secrets() {
     }
     assert!(!sidecar.proc.log_text().contains(key_body));
 }
+
+#[test]
+fn etcd_over_tls_with_a_client_certificate() {
+    let dir = TempDir::new("etcd-tls");
+    let certs = Certs::make(&dir.0);
+    let etcd = support::etcd::Etcd::started_tls(&dir.0, &certs);
+    let mock = Mock::start(&dir.0, free_addr(), &[]);
+    let endpoint = etcd.endpoint();
+    let (ca, cert, key) = (
+        certs.path("ca.pem"),
+        certs.path("client.pem"),
+        certs.path("client.key"),
+    );
+    // Without a client certificate, etcd refuses: the sidecar cannot register
+    // and says why, until its start-up deadline.
+    let mut refused = Sidecar::start(
+        &dir.0,
+        mock.grpc,
+        &[
+            "--discovery",
+            &endpoint,
+            "--etcd-ca",
+            &ca,
+            "--startup-deadline",
+            "3s",
+        ],
+    );
+    assert_eq!(
+        refused.proc.wait_exit(HANG),
+        3,
+        "{}",
+        refused.proc.log_text()
+    );
+    assert!(etcd.keys().is_empty());
+
+    let mut sidecar = Sidecar::start(
+        &dir.0,
+        mock.grpc,
+        &[
+            "--discovery",
+            &endpoint,
+            "--etcd-ca",
+            &ca,
+            "--etcd-cert",
+            &cert,
+            "--etcd-key",
+            &key,
+        ],
+    );
+    sidecar.proc.wait_for_line("registered; serving", HANG);
+    wait_until(HANG, "the key in etcd", || etcd.keys().len() == 1);
+    let listed = std::process::Command::new(binary())
+        .args([
+            "instances",
+            "--discovery",
+            &endpoint,
+            "--etcd-ca",
+            &ca,
+            "--etcd-cert",
+            &cert,
+            "--etcd-key",
+            &key,
+            "--json",
+        ])
+        .output()
+        .expect("instances");
+    assert!(listed.status.success(), "{listed:?}");
+    assert!(String::from_utf8_lossy(&listed.stdout).contains(&sidecar.listen.to_string()));
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(etcd.keys().is_empty(), "withdrawn over TLS");
+}

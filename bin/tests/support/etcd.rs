@@ -21,6 +21,8 @@ pub struct Etcd {
     proc: Option<Proc>,
     starts: u32,
     rt: tokio::runtime::Runtime,
+    /// Certificates when etcd serves clients over TLS and requires client certificates.
+    tls: Option<PathBuf>,
 }
 
 /// A key's value and the lease it is attached to.
@@ -47,6 +49,7 @@ impl Etcd {
             dir: dir.to_path_buf(),
             proc: None,
             starts: 0,
+            tls: None,
             rt: tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -54,10 +57,24 @@ impl Etcd {
         }
     }
 
+    /// An etcd serving clients over TLS (the server certificate of `certs`)
+    /// and requiring client certificates from `certs`' CA.
+    pub fn started_tls(dir: &Path, certs: &super::Certs) -> Self {
+        let mut e = Etcd::new(dir);
+        e.tls = Some(certs.dir.clone());
+        e.start();
+        e
+    }
+
     pub fn started(dir: &Path) -> Self {
         let mut e = Etcd::new(dir);
         e.start();
         e
+    }
+
+    fn client_url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.client)
     }
 
     pub fn endpoint(&self) -> String {
@@ -68,15 +85,15 @@ impl Etcd {
     pub fn start(&mut self) {
         self.starts += 1;
         let url = |a: SocketAddr| format!("http://{a}");
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--name",
             "t",
             "--data-dir",
             &self.data.display().to_string(),
             "--listen-client-urls",
-            &url(self.client),
+            &self.client_url(),
             "--advertise-client-urls",
-            &url(self.client),
+            &self.client_url(),
             "--listen-peer-urls",
             &url(self.peer),
             "--initial-advertise-peer-urls",
@@ -87,6 +104,18 @@ impl Etcd {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if let Some(certs) = &self.tls {
+            let f = |name: &str| certs.join(name).display().to_string();
+            args.extend([
+                "--cert-file".to_string(),
+                f("server.pem"),
+                "--key-file".into(),
+                f("server.key"),
+                "--trusted-ca-file".into(),
+                f("ca.pem"),
+                "--client-cert-auth".into(),
+            ]);
+        }
         let log = self.dir.join(format!("etcd-{}.log", self.starts));
         self.proc = Some(Proc::spawn_program("etcd", &args, log));
         wait_until(HANG, "etcd to answer", || self.try_keys().is_ok());
@@ -108,10 +137,19 @@ impl Etcd {
     }
 
     fn channel(&self) -> Result<Channel, String> {
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", self.client))
+        let mut endpoint = tonic::transport::Endpoint::from_shared(self.client_url())
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(5));
+        if let Some(certs) = &self.tls {
+            let read = |name: &str| std::fs::read(certs.join(name)).expect("cert file");
+            use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+            let tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(read("ca.pem")))
+                .identity(Identity::from_pem(read("client.pem"), read("client.key")))
+                .domain_name("127.0.0.1");
+            endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+        }
         self.rt
             .block_on(endpoint.connect())
             .map_err(|e| e.to_string())
