@@ -13,6 +13,7 @@ need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 # The etcd discovery tests start a real etcd of their own.
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]}"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"

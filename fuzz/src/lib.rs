@@ -63,3 +63,103 @@ pub fn lifecycle(data: &[u8]) {
         }
     }
 }
+
+/// Everything a flag or an environment variable goes through on its way in:
+/// durations, `host:port`, discovery key segments and discovery URIs. Nothing
+/// panics; a URI that parses prints back to itself.
+pub fn config_text(data: &[u8]) {
+    use llm_sidecar_io::config::{parse_duration, parse_host_port, parse_key_segment};
+    use llm_sidecar_io::discovery::DiscoveryUri;
+    let text = String::from_utf8_lossy(data);
+    let _ = parse_duration(&text);
+    let _ = parse_host_port("--engine-endpoint", &text);
+    let _ = parse_key_segment("--namespace", &text);
+    if let Ok(uri) = DiscoveryUri::parse(&text) {
+        let again = DiscoveryUri::parse(&uri.to_string());
+        assert_eq!(
+            again.as_ref().ok(),
+            Some(&uri),
+            "{text:?} does not round-trip"
+        );
+    }
+}
+
+/// A discovery record as `instances` reads it (file or etcd value): parsed or
+/// explained, never a panic; a record that parses survives a write and re-read.
+pub fn discovery_record(data: &[u8]) {
+    use llm_sidecar_io::discovery::Listed;
+    if let Listed::Record(record) = Listed::parse(data) {
+        let written = serde_json::to_vec(&record).expect("a parsed record serialises");
+        assert_eq!(Listed::parse(&written), Listed::Record(record));
+    }
+}
+
+/// An admin or control request target (`/path?query`): split and decoded
+/// without panicking; a query built from encoded pairs decodes to those pairs.
+pub fn admin_request(data: &[u8]) {
+    use llm_sidecar_io::admin_http::Request;
+    let text = String::from_utf8_lossy(data);
+    let request = Request::from_target("GET", &text);
+    let _ = request.param("status");
+    // Round trip: every byte percent-encoded, pairs split on the first NUL.
+    let (k, v) = text.split_once('\0').unwrap_or((&text, ""));
+    let enc = |s: &str| s.bytes().map(|b| format!("%{b:02X}")).collect::<String>();
+    let target = format!("/x?{}={}", enc(k), enc(v));
+    let parsed = Request::from_target("GET", &target);
+    if !k.is_empty() {
+        assert_eq!(
+            parsed.query,
+            vec![(k.to_string(), v.to_string())],
+            "{target}"
+        );
+    }
+}
+
+/// Any sequence of raw liveness observations: SERVING is never a loss, an
+/// unsupported watch never becomes one, and a concluded watch stays concluded.
+pub fn liveness_status(data: &[u8]) {
+    use llm_sidecar_core::LivenessObservation;
+    use llm_sidecar_core::liveness::{Verdict, WatchPhase, interpret, serving_status_name};
+    let mut u = Unstructured::new(data);
+    let mut phase = WatchPhase::AwaitingFirst;
+    // `Unstructured` answers with defaults once the data runs out: stop there.
+    while !u.is_empty() {
+        let Ok(kind) = u.int_in_range(0u8..=9) else {
+            break;
+        };
+        let observation = match kind {
+            0..=6 => {
+                let Ok(raw) = i32::arbitrary(&mut u) else {
+                    break;
+                };
+                let _ = serving_status_name(raw);
+                // Mostly the real range, sometimes anything.
+                LivenessObservation::Status(if kind < 5 { raw.rem_euclid(5) } else { raw })
+            }
+            7 => LivenessObservation::StreamEnded,
+            8 => LivenessObservation::StreamFailed {
+                code: i32::arbitrary(&mut u).unwrap_or(14),
+                message: String::new(),
+            },
+            _ => LivenessObservation::NotOpened {
+                waited: Duration::from_millis(u64::from(u8::arbitrary(&mut u).unwrap_or(0))),
+            },
+        };
+        let before = phase;
+        let (next, verdict) = interpret(phase, &observation, "liveness");
+        if matches!(observation, LivenessObservation::Status(1)) {
+            assert!(
+                !matches!(verdict, Verdict::Loss(_)),
+                "SERVING reported as a loss"
+            );
+        }
+        if matches!(before, WatchPhase::Unsupported | WatchPhase::Concluded) {
+            assert_eq!(next, before, "{before:?} is final");
+            assert!(
+                !matches!(verdict, Verdict::Loss(_)),
+                "a loss after {before:?}"
+            );
+        }
+        phase = next;
+    }
+}

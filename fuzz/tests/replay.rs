@@ -3,30 +3,46 @@
 
 use std::path::PathBuf;
 
+/// A fuzz entry point.
+type Target = fn(&[u8]);
+
+/// Every target, by the name of its corpus directory.
+const TARGETS: [(&str, Target); 5] = [
+    ("lifecycle", llm_sidecar_fuzz::lifecycle),
+    ("config_text", llm_sidecar_fuzz::config_text),
+    ("discovery_record", llm_sidecar_fuzz::discovery_record),
+    ("admin_request", llm_sidecar_fuzz::admin_request),
+    ("liveness_status", llm_sidecar_fuzz::liveness_status),
+];
+
 #[test]
 fn committed_corpus_keeps_the_invariants() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("corpus/lifecycle");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .collect();
-    files.sort();
-    assert!(
-        !files.is_empty(),
-        "the corpus at {} is empty",
-        dir.display()
-    );
-    for file in &files {
-        let data = std::fs::read(file).expect("read corpus file");
-        let outcome = std::panic::catch_unwind(|| llm_sidecar_fuzz::lifecycle(&data));
+    for (target, run) in TARGETS {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("corpus")
+            .join(target);
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .collect();
+        files.sort();
         assert!(
-            outcome.is_ok(),
-            "corpus input {} broke an invariant",
-            file.display()
+            !files.is_empty(),
+            "the corpus at {} is empty",
+            dir.display()
         );
+        for file in &files {
+            let data = std::fs::read(file).expect("read corpus file");
+            let outcome = std::panic::catch_unwind(|| run(&data));
+            assert!(
+                outcome.is_ok(),
+                "{target}: corpus input {} broke a property",
+                file.display()
+            );
+        }
+        println!("{target}: replayed {} corpus inputs", files.len());
     }
-    println!("replayed {} corpus inputs", files.len());
 }
 
 #[test]
@@ -42,6 +58,8 @@ fn pseudo_random_inputs_keep_the_invariants() {
     for _ in 0..3000 {
         let len = (next() % 600) as usize;
         let data: Vec<u8> = (0..len).map(|_| next() as u8).collect();
-        llm_sidecar_fuzz::lifecycle(&data);
+        for (_, run) in TARGETS {
+            run(&data);
+        }
     }
 }

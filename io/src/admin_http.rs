@@ -24,6 +24,17 @@ pub struct Request {
 }
 
 impl Request {
+    /// The request for `method` and a request target (`/path?query`), the
+    /// query split and percent-decoded. Never fails: odd input gives odd names.
+    pub fn from_target(method: &str, target: &str) -> Request {
+        let (path, query) = target.split_once('?').unwrap_or((target, ""));
+        Request {
+            method: method.to_string(),
+            path: path.to_string(),
+            query: parse_query(query),
+        }
+    }
+
     /// The first value of a query parameter.
     pub fn param(&self, name: &str) -> Option<&str> {
         self.query
@@ -117,11 +128,8 @@ pub async fn serve(listener: TcpListener, handler: Handler, cancel: Cancellation
         let cancel = cancel.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let request = Request {
-                    method: req.method().as_str().to_string(),
-                    path: req.uri().path().to_string(),
-                    query: parse_query(req.uri().query().unwrap_or("")),
-                };
+                let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+                let request = Request::from_target(req.method().as_str(), target);
                 let response = handler(&request);
                 async move {
                     let built = hyper::Response::builder()

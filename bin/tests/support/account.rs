@@ -362,6 +362,8 @@ pub struct Report {
     pub counts: BTreeMap<&'static str, u64>,
     pub engine_seen: usize,
     pub admitted: u64,
+    /// Calls the caller cancelled as the sidecar ended them (see `reconcile`).
+    pub cancel_races: u64,
 }
 
 impl fmt::Display for Report {
@@ -372,8 +374,8 @@ impl fmt::Display for Report {
         }
         write!(
             f,
-            "; sidecar admitted {}, engine saw {}",
-            self.admitted, self.engine_seen
+            "; sidecar admitted {}, engine saw {}, cancel races {}",
+            self.admitted, self.engine_seen, self.cancel_races
         )
     }
 }
@@ -408,7 +410,29 @@ pub fn reconcile(
         ),
         ("cancelled", sidecar.get("cancelled_by_caller")),
     ];
+    // The one race no count can settle: a caller drops its call in the same
+    // instant the sidecar ends it (engine failure, cut). The sidecar counts how
+    // it ended the call; the caller never read that ending. Such calls must be
+    // few, and they must account exactly for the difference.
+    let cancel_races = c("cancelled").saturating_sub(sidecar.get("cancelled_by_caller"));
+    let ended_by_sidecar = |label: &str, counted: u64| {
+        matches!(label, "engine_failed" | "cut").then(|| counted.saturating_sub(c(label)))
+    };
+    let absorbed: u64 = pairs
+        .iter()
+        .filter_map(|(label, counted)| ended_by_sidecar(label, *counted))
+        .sum();
+    if cancel_races != absorbed || cancel_races > 1 + c("cancelled") / 100 {
+        problems.push(format!(
+            "{cancel_races} cancels at the callers are not matched by {absorbed} endings at the sidecar"
+        ));
+    }
     for (label, counted) in pairs {
+        let counted = match label {
+            "cancelled" => counted + cancel_races,
+            "engine_failed" | "cut" => counted - ended_by_sidecar(label, counted).unwrap_or(0),
+            _ => counted,
+        };
         if c(label) != counted {
             problems.push(format!(
                 "{label}: callers saw {}, the sidecar counted {counted}",
@@ -502,6 +526,7 @@ pub fn reconcile(
             counts,
             engine_seen,
             admitted: sidecar.get("admitted"),
+            cancel_races,
         })
     } else {
         problems.truncate(20);

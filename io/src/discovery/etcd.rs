@@ -305,12 +305,7 @@ impl Discovery for EtcdDiscovery {
             .iter()
             .map(|kv| ListedRecord {
                 key: String::from_utf8_lossy(&kv.key).into_owned(),
-                content: match serde_json::from_slice::<Record>(&kv.value) {
-                    Ok(r) => Listed::Record(Box::new(r)),
-                    Err(e) => Listed::Invalid {
-                        error: e.to_string(),
-                    },
-                },
+                content: Listed::parse(&kv.value),
             })
             .collect();
         out.sort_by(|a, b| a.key.cmp(&b.key));

@@ -81,12 +81,7 @@ fn collect(dir: &Path, root: &Path, out: &mut Vec<ListedRecord>) -> std::io::Res
         let rel = path.strip_prefix(root).unwrap_or(&path).to_string_lossy();
         let key = rel.trim_end_matches(".json").to_string();
         let content = match std::fs::read(&path) {
-            Ok(bytes) => match serde_json::from_slice::<Record>(&bytes) {
-                Ok(r) => Listed::Record(Box::new(r)),
-                Err(e) => Listed::Invalid {
-                    error: e.to_string(),
-                },
-            },
+            Ok(bytes) => Listed::parse(&bytes),
             Err(e) => Listed::Invalid {
                 error: e.to_string(),
             },

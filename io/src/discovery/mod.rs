@@ -186,6 +186,19 @@ pub enum Listed {
     },
 }
 
+impl Listed {
+    /// Reads one stored record: what `instances` shows for it. Anything that is
+    /// not a record becomes `Invalid` with the reason; nothing panics.
+    pub fn parse(bytes: &[u8]) -> Listed {
+        match serde_json::from_slice::<Record>(bytes) {
+            Ok(r) => Listed::Record(Box::new(r)),
+            Err(e) => Listed::Invalid {
+                error: e.to_string(),
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

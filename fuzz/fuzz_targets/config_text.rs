@@ -1,0 +1,4 @@
+//! cargo-fuzz target: see [`llm_sidecar_fuzz::config_text`].
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| llm_sidecar_fuzz::config_text(data));

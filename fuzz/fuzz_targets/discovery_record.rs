@@ -1,0 +1,4 @@
+//! cargo-fuzz target: see [`llm_sidecar_fuzz::discovery_record`].
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| llm_sidecar_fuzz::discovery_record(data));
