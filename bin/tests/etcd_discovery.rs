@@ -190,13 +190,7 @@ fn an_etcd_outage_shorter_than_the_ttl_keeps_the_lease_and_loses_no_call() {
     use support::account::{Load, Shape, reconcile_settled};
     let dir = TempDir::new("etcd-blip");
     let etcd = Etcd::started(&dir.0);
-    let journal = dir.0.join("engine.journal");
-    let journal_arg = journal.display().to_string();
-    let mock = Mock::start(
-        &dir.0,
-        free_addr(),
-        &["--token-delay", "5ms", "--journal", &journal_arg],
-    );
+    let (mock, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);
     let endpoint = etcd.endpoint();
     let mut sidecar = Sidecar::start(
         &dir.0,

@@ -12,14 +12,8 @@ use support::account::{Load, Shape, reconcile_settled};
 use support::relay::Relay;
 use support::*;
 
-/// A mock engine that journals every Generate event, with a small token delay
-/// so that calls overlap the faults.
 fn journaled_mock(dir: &TempDir, grpc: std::net::SocketAddr, extra: &[&str]) -> (Mock, PathBuf) {
-    let journal = dir.0.join("engine.journal");
-    let journal_arg = journal.display().to_string();
-    let mut args = vec!["--token-delay", "5ms", "--journal", &journal_arg];
-    args.extend_from_slice(extra);
-    (Mock::start(&dir.0, grpc, &args), journal)
+    Mock::start_journaled(&dir.0, grpc, extra)
 }
 
 fn serving(sidecar: &Sidecar) {

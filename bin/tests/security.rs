@@ -63,13 +63,7 @@ fn one_call(endpoint: Endpoint) -> Result<(), String> {
 fn mutual_tls_admits_only_callers_with_a_trusted_certificate() {
     let dir = TempDir::new("mtls");
     let certs = Certs::make(&dir.0);
-    let journal = dir.0.join("engine.journal");
-    let journal_arg = journal.display().to_string();
-    let mock = Mock::start(
-        &dir.0,
-        free_addr(),
-        &["--token-delay", "5ms", "--journal", &journal_arg],
-    );
+    let (mock, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);
     let (cert, key, ca) = (
         certs.path("server.pem"),
         certs.path("server.key"),

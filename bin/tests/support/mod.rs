@@ -225,6 +225,16 @@ impl Mock {
         panic!("no free control port after 5 attempts");
     }
 
+    /// A mock that journals every Generate event (the engine's side of the call
+    /// account), with a small token delay so that calls overlap the faults.
+    pub fn start_journaled(dir: &Path, grpc: SocketAddr, extra: &[&str]) -> (Self, PathBuf) {
+        let journal = dir.join("engine.journal");
+        let journal_arg = journal.display().to_string();
+        let mut args = vec!["--token-delay", "5ms", "--journal", &journal_arg];
+        args.extend_from_slice(extra);
+        (Mock::start(dir, grpc, &args), journal)
+    }
+
     pub fn control(&self, path: &str) -> String {
         let (status, body) = http_get(self.control, path).expect("mock control answers");
         assert_eq!(status, 200, "mock control {path}: {body}");
