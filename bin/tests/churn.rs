@@ -64,25 +64,6 @@ fn spawn_sidecar(
     Proc::spawn(&args, dir.join(format!("sidecar-cycle-{n}.log")))
 }
 
-fn records(dir: &Path) -> usize {
-    fn walk(d: &Path) -> usize {
-        std::fs::read_dir(d)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| {
-                let p = e.path();
-                if p.is_dir() {
-                    walk(&p)
-                } else {
-                    usize::from(p.extension().is_some_and(|x| x == "json"))
-                }
-            })
-            .sum()
-    }
-    walk(&dir.join("discovery"))
-}
-
 #[test]
 fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() {
     let run_for = secs("CHURN_SECS", 45);
@@ -138,7 +119,8 @@ fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() 
         std::thread::spawn(move || {
             let (mut worst, mut since): (Duration, Option<Instant>) = (Duration::ZERO, None);
             while !done.load(Ordering::Acquire) {
-                let stale = !alive.load(Ordering::Acquire) && records(&dir) > 0;
+                let stale = !alive.load(Ordering::Acquire)
+                    && !record_files(&dir.join("discovery")).is_empty();
                 match (stale, since) {
                     (true, None) => since = Some(Instant::now()),
                     (false, Some(t)) => {

@@ -25,12 +25,7 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn metric(sidecar: &Sidecar, name: &str) -> f64 {
-    let (_, body) = http_get(sidecar.admin, "/metrics").expect("metrics");
-    body.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
+    sidecar.metric(name).unwrap_or(f64::NAN)
 }
 
 fn bench(target: std::net::SocketAddr, args: &[&str]) -> std::process::Child {

@@ -100,14 +100,6 @@ fn wait_for_engine_reset(mock: &Mock, id: &str) {
     );
 }
 
-fn metric(sidecar: &Sidecar, name: &str) -> Option<f64> {
-    let (_, body) = http_get(sidecar.admin, "/metrics")?;
-    body.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 #[test]
 fn calls_through_the_sidecar_are_what_the_engine_sends() {
     let dir = TempDir::new("passthrough");
@@ -182,10 +174,7 @@ fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
     // The mock engine enforces no deadline itself: the reset it saw came from the sidecar.
     wait_for_engine_reset(&mock, "slow");
     assert_eq!(
-        metric(
-            &sidecar,
-            "llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"
-        ),
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"),
         Some(1.0)
     );
     sidecar.proc.signal("TERM");
@@ -206,7 +195,7 @@ fn a_caller_cancel_resets_the_engine_stream_at_once() {
         for _ in 0..3 {
             stream.message().await.expect("chunk").expect("a chunk");
         }
-        assert_eq!(metric(&sidecar, "llm_sidecar_in_flight"), Some(1.0));
+        assert_eq!(sidecar.metric("llm_sidecar_in_flight"), Some(1.0));
         let dropped = Instant::now();
         drop(stream);
         wait_for_engine_reset(&mock, "cancel-me");
@@ -216,13 +205,10 @@ fn a_caller_cancel_resets_the_engine_stream_at_once() {
             "engine saw the reset after {seen_after:?}"
         );
         wait_until(HANG, "in flight back to 0", || {
-            metric(&sidecar, "llm_sidecar_in_flight") == Some(0.0)
+            sidecar.metric("llm_sidecar_in_flight") == Some(0.0)
         });
         assert_eq!(
-            metric(
-                &sidecar,
-                "llm_sidecar_calls_total{outcome=\"cancelled_by_caller\"}"
-            ),
+            sidecar.metric("llm_sidecar_calls_total{outcome=\"cancelled_by_caller\"}"),
             Some(1.0)
         );
     });

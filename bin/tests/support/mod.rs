@@ -51,6 +51,25 @@ impl Drop for TempDir {
     }
 }
 
+/// Every file below `dir` (recursively) that `keep` accepts.
+pub fn files_under(dir: &Path, keep: &dyn Fn(&Path) -> bool) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p, keep));
+        } else if keep(&p) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Every discovery record (`*.json`) below a `file:` discovery directory.
+pub fn record_files(discovery: &Path) -> Vec<PathBuf> {
+    files_under(discovery, &|p| p.extension().is_some_and(|x| x == "json"))
+}
+
 /// Polls `check` until it is true; panics with `what` after `limit`.
 pub fn wait_until(limit: Duration, what: &str, mut check: impl FnMut() -> bool) {
     let start = Instant::now();
@@ -322,22 +341,16 @@ impl Sidecar {
 
     /// Every record file under the discovery directory.
     pub fn records(&self) -> Vec<PathBuf> {
-        fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                return;
-            };
-            for e in entries.flatten() {
-                let p = e.path();
-                if p.is_dir() {
-                    walk(&p, out);
-                } else if p.extension().is_some_and(|x| x == "json") {
-                    out.push(p);
-                }
-            }
-        }
-        let mut out = Vec::new();
-        walk(&self.discovery, &mut out);
-        out
+        record_files(&self.discovery)
+    }
+
+    /// The value of the first `/metrics` line starting with `name`.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = http_get(self.admin, "/metrics")?;
+        body.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
     }
 
     pub fn wait_for_record(&self, limit: Duration) -> PathBuf {
@@ -405,19 +418,7 @@ impl Tmpfs {
 
     /// Files whose name ends in `.tmp` anywhere below: half-written records.
     pub fn temp_files(&self) -> Vec<PathBuf> {
-        fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-                let p = e.path();
-                if p.is_dir() {
-                    walk(&p, out);
-                } else if p.to_string_lossy().ends_with(".tmp") {
-                    out.push(p);
-                }
-            }
-        }
-        let mut out = Vec::new();
-        walk(&self.dir, &mut out);
-        out
+        files_under(&self.dir, &|p| p.to_string_lossy().ends_with(".tmp"))
     }
 }
 
