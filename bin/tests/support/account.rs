@@ -12,7 +12,8 @@
 //! | `cut` | UNAVAILABLE "drain deadline reached…" |
 //! | `engine_failed` | UNAVAILABLE "engine stream failed…" / "engine unavailable…" |
 //! | `cancelled` | the caller dropped the call itself |
-//! | `not_sent` | the call never reached the sidecar: nothing listened on its port (between two runs), or its connection was closing (hyper's "operation was canceled", a stream above the GOAWAY's last id, or a "transport error" as the sidecar's exit closed the connection) |
+//! | `not_sent` | the call never left the caller: nothing listened on its port (between two runs), or hyper dropped it from its queue as the connection was closing ("operation was canceled") |
+//! | `conn_closed` | the sidecar's exit closed the connection under the call: a GOAWAY (the stream was above its last id, or hyper's client failed a request it had just written when the GOAWAY arrived), or a "transport error" |
 //!
 //! Anything else is `unexplained` and fails the reconciliation.
 #![allow(dead_code)]
@@ -40,6 +41,7 @@ pub enum Seen {
     EngineFailed,
     Cancelled,
     NotSent,
+    ConnClosed,
     Unexplained(String),
 }
 
@@ -53,6 +55,7 @@ impl Seen {
             Seen::EngineFailed => "engine_failed",
             Seen::Cancelled => "cancelled",
             Seen::NotSent => "not_sent",
+            Seen::ConnClosed => "conn_closed",
             Seen::Unexplained(_) => "unexplained",
         }
     }
@@ -178,7 +181,7 @@ async fn run(endpoint: Endpoint, shape: Shape, stop: Arc<AtomicBool>) -> Ledger 
             while !stop.load(Ordering::Acquire) {
                 n += 1;
                 let (id, seen) = one_call(&channel, &shape, w, n).await;
-                if seen == Seen::NotSent {
+                if matches!(seen, Seen::NotSent | Seen::ConnClosed) {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 ledger.calls.insert(id, seen);
@@ -228,10 +231,14 @@ async fn one_call(channel: &Channel, shape: &Shape, worker: usize, n: u64) -> (S
     (id, seen)
 }
 
-/// Marks a call refused by an HTTP/2 GOAWAY: its stream id was above the last
-/// one the sidecar said it would process, so it was never processed (RFC 9113
-/// §6.8). tonic reports those as INTERNAL "h2 protocol error".
-const REFUSED_BY_GOAWAY: &str = "refused by GOAWAY";
+/// Marks a call failed by the sidecar's HTTP/2 GOAWAY (tonic reports those as
+/// INTERNAL "h2 protocol error"). Mostly the stream id was above the last one
+/// the GOAWAY promised to process, so it was never processed (RFC 9113 §6.8).
+/// But hyper's client also fails a request it has just written if the first,
+/// graceful GOAWAY lands before it polls the connection again: the sidecar
+/// then received the call, and since it only closes connections at exit,
+/// after admission closed, it refused it.
+const FAILED_BY_GOAWAY: &str = "failed by GOAWAY";
 
 /// Reads the stream to its end; `Err` carries the final status if not OK.
 async fn call_to_end(
@@ -246,7 +253,7 @@ async fn call_to_end(
                 && h2.is_remote()
                 && h2.reason() == Some(h2::Reason::NO_ERROR)
             {
-                return (s.code(), REFUSED_BY_GOAWAY.to_string());
+                return (s.code(), FAILED_BY_GOAWAY.to_string());
             }
             source = e.source();
         }
@@ -275,11 +282,10 @@ fn classify(code: Code, message: &str, requested_error: Option<&String>) -> Seen
         }
         Code::Unavailable if message.contains("connect") => Seen::NotSent,
         Code::Cancelled if message == "operation was canceled" => Seen::NotSent,
-        _ if message == REFUSED_BY_GOAWAY => Seen::NotSent,
+        _ if message == FAILED_BY_GOAWAY => Seen::ConnClosed,
         // The sidecar closed its connection at exit while this call was on the
-        // wire: the kernel's reset can overtake the GOAWAY. The count
-        // reconciliation proves the sidecar never counted such a call.
-        Code::Unknown if message == "transport error" => Seen::NotSent,
+        // wire: the kernel's reset can overtake the GOAWAY.
+        Code::Unknown if message == "transport error" => Seen::ConnClosed,
         _ => Seen::Unexplained(format!("{code:?}: {message}")),
     }
 }
@@ -364,6 +370,9 @@ pub struct Report {
     pub admitted: u64,
     /// Calls the caller cancelled as the sidecar ended them (see `reconcile`).
     pub cancel_races: u64,
+    /// Refusals whose answer the caller never read: its connection closed
+    /// under the call at the sidecar's exit (see `reconcile`).
+    pub unread_refusals: u64,
 }
 
 impl fmt::Display for Report {
@@ -374,8 +383,8 @@ impl fmt::Display for Report {
         }
         write!(
             f,
-            "; sidecar admitted {}, engine saw {}, cancel races {}",
-            self.admitted, self.engine_seen, self.cancel_races
+            "; sidecar admitted {}, engine saw {}, cancel races {}, unread refusals {}",
+            self.admitted, self.engine_seen, self.cancel_races, self.unread_refusals
         )
     }
 }
@@ -427,10 +436,24 @@ pub fn reconcile(
             "{cancel_races} cancels at the callers are not matched by {absorbed} endings at the sidecar"
         ));
     }
+    // The second: the sidecar refused a call, then its exit closed the
+    // connection before the caller read the answer (`conn_closed`). The
+    // sidecar closes connections only at exit, after admission closed, so a
+    // call that reached it then was refused, never forwarded; the journal
+    // check below proves the engine never saw a `conn_closed` call.
+    let unread_refusals = sidecar.get("refused").saturating_sub(c("refused"));
+    if unread_refusals > c("conn_closed") {
+        problems.push(format!(
+            "the sidecar refused {unread_refusals} calls more than the callers saw, \
+             but only {} calls lost their connection",
+            c("conn_closed")
+        ));
+    }
     for (label, counted) in pairs {
         let counted = match label {
             "cancelled" => counted + cancel_races,
             "engine_failed" | "cut" => counted - ended_by_sidecar(label, counted).unwrap_or(0),
+            "refused" => counted - unread_refusals,
             _ => counted,
         };
         if c(label) != counted {
@@ -527,6 +550,7 @@ pub fn reconcile(
             engine_seen,
             admitted: sidecar.get("admitted"),
             cancel_races,
+            unread_refusals,
         })
     } else {
         problems.truncate(20);
