@@ -219,13 +219,22 @@ fn sigterm_while_lost_keeps_exit_code_1() {
     let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
     serving(&sidecar);
     let load = Load::start(sidecar.listen, Shape::mixed("term-lost"));
+    // Keeps the sidecar in Lost until the drain deadline, so the signal below
+    // always finds it there.
+    let long = Load::start(sidecar.listen, Shape::long("term-lost-long"));
     lets_load_run(500);
     mock.control("/liveness?status=2");
     sidecar.proc.wait_for_line("engine lost:", HANG);
     sidecar.proc.signal("TERM");
     sidecar.proc.wait_for_line("exit code stays 1", HANG);
     assert_eq!(sidecar.proc.wait_exit(HANG), 1);
-    let ledger = load.stop();
+    let mut ledger = load.stop();
+    ledger.merge(long.stop());
+    assert_eq!(
+        ledger.count("cut"),
+        1,
+        "the long call was cut at the deadline"
+    );
     let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
     println!("SIGTERM while lost: {report}");
 }
@@ -261,6 +270,35 @@ fn sigterm_racing_an_engine_loss_exits_with_whichever_came_first() {
         let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
         println!("race round {round}: exit {code}; {report}");
     }
+}
+
+/// The exit itself under a crowd: 64 callers retry into the draining sidecar
+/// as fast as they can, so calls are on the wire when its connections send
+/// GOAWAY and close. Every round's account must still reconcile: nothing the
+/// sidecar forwarded is lost, and a call that failed with the connection was
+/// never forwarded.
+#[test]
+fn exit_under_a_crowd_of_callers_loses_no_call() {
+    let mut unread = 0;
+    for round in 0..6 {
+        let dir = TempDir::new("crowd");
+        let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
+        let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
+        serving(&sidecar);
+        let mut shape = Shape::mixed(&format!("crowd-{round}"));
+        shape.concurrency = 64;
+        let load = Load::start(sidecar.listen, shape);
+        lets_load_run(700);
+        sidecar.proc.signal("TERM");
+        assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+        lets_load_run(200);
+        let ledger = load.stop();
+        let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
+        println!("crowd round {round}: {report}");
+        assert!(ledger.count("ok") > 0 && ledger.count("refused") > 0);
+        unread += report.unread_refusals;
+    }
+    println!("crowd: {unread} refusals unread by their callers in 6 exits");
 }
 
 #[test]

@@ -428,3 +428,101 @@ fn bad_input_fails_only_its_own_connection_or_call() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// One HTTP/2 frame header: length, type, flags, stream id.
+fn h2_frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut frame = len.to_be_bytes()[1..].to_vec();
+    frame.extend([kind, flags, 0, 0, 0, 0]);
+    frame.extend(payload);
+    frame
+}
+
+const H2_SETTINGS: u8 = 0x4;
+const H2_PING: u8 = 0x6;
+const H2_GOAWAY: u8 = 0x7;
+const H2_ACK: u8 = 0x1;
+
+/// A caller that is still sending when the sidecar exits (a ping here; in real
+/// life a window update, or a request racing the GOAWAY) gets the GOAWAY, a
+/// clean close, and no TCP reset: the sidecar reads until the caller closes.
+/// A reset would fail the caller's next write, and its HTTP/2 stack would then
+/// drop answers it had not read yet.
+#[test]
+fn exit_closes_a_busy_caller_connection_without_a_reset() {
+    use std::io::ErrorKind;
+    use std::sync::{Arc, Mutex};
+
+    let dir = TempDir::new("linger");
+    let (_mock, mut sidecar) = serving(&dir, &[], &[]);
+    let mut reader = TcpStream::connect(sidecar.listen).expect("connect");
+    reader
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let writer = Arc::new(Mutex::new(reader.try_clone().expect("clone")));
+    let send = |bytes: &[u8]| writer.lock().expect("writer").write_all(bytes);
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(H2_SETTINGS, 0, &[]));
+    send(&hello).expect("preface");
+
+    // The busy caller: a ping every 5 ms until told to stop; the first write
+    // error is kept.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pinger = {
+        let (writer, stop) = (writer.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let ping = h2_frame(H2_PING, 0, b"busy-cli");
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                if let Err(e) = writer.lock().expect("writer").write_all(&ping) {
+                    return Some(e.kind());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            None
+        })
+    };
+
+    // Read frames, answering the sidecar's SETTINGS and PINGs as a caller
+    // must; SIGTERM once the connection is up; stop at the end of the stream.
+    let (mut goaway, mut signalled) = (false, false);
+    let ended = loop {
+        let mut head = [0u8; 9];
+        if let Err(e) = reader.read_exact(&mut head) {
+            break e.kind();
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        if let Err(e) = reader.read_exact(&mut payload) {
+            break e.kind();
+        }
+        let (kind, flags) = (head[3], head[4]);
+        let answer = match kind {
+            H2_SETTINGS if flags & H2_ACK == 0 => Some(h2_frame(H2_SETTINGS, H2_ACK, &[])),
+            H2_PING if flags & H2_ACK == 0 => Some(h2_frame(H2_PING, H2_ACK, &payload)),
+            _ => None,
+        };
+        if let Some(answer) = answer {
+            // The sidecar may already have closed: the pinger reports that.
+            let _ = send(&answer);
+        }
+        goaway |= kind == H2_GOAWAY;
+        if kind == H2_SETTINGS && !signalled {
+            sidecar.proc.signal("TERM");
+            signalled = true;
+        }
+    };
+    // A caller keeps talking for a moment after the end of the stream, as a
+    // busy one does before it notices.
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let write_error = pinger.join().expect("pinger");
+    drop(reader);
+    assert!(goaway, "the sidecar said GOAWAY before closing");
+    assert_eq!(
+        ended,
+        ErrorKind::UnexpectedEof,
+        "the connection ended with a clean close"
+    );
+    assert_eq!(write_error, None, "the caller's writes never met a reset");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -208,6 +208,7 @@ pub(crate) async fn serve(
             }
         };
         let _ = stream.set_nodelay(true);
+        let stream = crate::net::LingeringClose::new(stream);
         let plane = plane.clone();
         let cancel = cancel.clone();
         let tls = tls.clone();

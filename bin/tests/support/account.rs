@@ -13,7 +13,8 @@
 //! | `engine_failed` | UNAVAILABLE "engine stream failed…" / "engine unavailable…" |
 //! | `cancelled` | the caller dropped the call itself |
 //! | `not_sent` | the call never left the caller: nothing listened on its port (between two runs), or hyper dropped it from its queue as the connection was closing ("operation was canceled") |
-//! | `conn_closed` | the sidecar's exit closed the connection under the call: a GOAWAY (the stream was above its last id, or hyper's client failed a request it had just written when the GOAWAY arrived), or a "transport error" |
+//! | `goaway` | the sidecar's exit sent GOAWAY under the call: its stream was above the GOAWAY's last id, or hyper's client failed a request it had just written (see [`FAILED_BY_GOAWAY`]) |
+//! | `reset` | the connection failed under the call at the sidecar's exit ("transport error") |
 //!
 //! Anything else is `unexplained` and fails the reconciliation.
 #![allow(dead_code)]
@@ -41,7 +42,8 @@ pub enum Seen {
     EngineFailed,
     Cancelled,
     NotSent,
-    ConnClosed,
+    GoAway,
+    Reset,
     Unexplained(String),
 }
 
@@ -55,7 +57,8 @@ impl Seen {
             Seen::EngineFailed => "engine_failed",
             Seen::Cancelled => "cancelled",
             Seen::NotSent => "not_sent",
-            Seen::ConnClosed => "conn_closed",
+            Seen::GoAway => "goaway",
+            Seen::Reset => "reset",
             Seen::Unexplained(_) => "unexplained",
         }
     }
@@ -85,6 +88,19 @@ pub struct Shape {
 }
 
 impl Shape {
+    /// One caller whose stream outlasts any drain: the sidecar then has a call
+    /// in flight whenever it drains, until the drain deadline cuts it.
+    pub fn long(prefix: &str) -> Self {
+        Shape {
+            concurrency: 1,
+            tokens: 1_000_000,
+            error_every: 0,
+            cancel_every: 0,
+            cancel_after: Duration::ZERO,
+            prefix: prefix.to_string(),
+        }
+    }
+
     pub fn mixed(prefix: &str) -> Self {
         Shape {
             concurrency: 8,
@@ -181,7 +197,7 @@ async fn run(endpoint: Endpoint, shape: Shape, stop: Arc<AtomicBool>) -> Ledger 
             while !stop.load(Ordering::Acquire) {
                 n += 1;
                 let (id, seen) = one_call(&channel, &shape, w, n).await;
-                if matches!(seen, Seen::NotSent | Seen::ConnClosed) {
+                if matches!(seen, Seen::NotSent | Seen::GoAway | Seen::Reset) {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 ledger.calls.insert(id, seen);
@@ -282,10 +298,11 @@ fn classify(code: Code, message: &str, requested_error: Option<&String>) -> Seen
         }
         Code::Unavailable if message.contains("connect") => Seen::NotSent,
         Code::Cancelled if message == "operation was canceled" => Seen::NotSent,
-        _ if message == FAILED_BY_GOAWAY => Seen::ConnClosed,
-        // The sidecar closed its connection at exit while this call was on the
-        // wire: the kernel's reset can overtake the GOAWAY.
-        Code::Unknown if message == "transport error" => Seen::ConnClosed,
+        _ if message == FAILED_BY_GOAWAY => Seen::GoAway,
+        // The connection failed under the call as the sidecar exited (its
+        // lingering close makes this rare: a caller that did not close within
+        // the linger).
+        Code::Unknown if message == "transport error" => Seen::Reset,
         _ => Seen::Unexplained(format!("{code:?}: {message}")),
     }
 }
@@ -370,8 +387,8 @@ pub struct Report {
     pub admitted: u64,
     /// Calls the caller cancelled as the sidecar ended them (see `reconcile`).
     pub cancel_races: u64,
-    /// Refusals whose answer the caller never read: its connection closed
-    /// under the call at the sidecar's exit (see `reconcile`).
+    /// Refusals whose answer the caller never read, because hyper failed the
+    /// call on the sidecar's GOAWAY (see `reconcile`).
     pub unread_refusals: u64,
 }
 
@@ -436,17 +453,18 @@ pub fn reconcile(
             "{cancel_races} cancels at the callers are not matched by {absorbed} endings at the sidecar"
         ));
     }
-    // The second: the sidecar refused a call, then its exit closed the
-    // connection before the caller read the answer (`conn_closed`). The
-    // sidecar closes connections only at exit, after admission closed, so a
-    // call that reached it then was refused, never forwarded; the journal
-    // check below proves the engine never saw a `conn_closed` call.
+    // The second: the sidecar refused a call whose caller then reported the
+    // GOAWAY instead (`goaway`, see FAILED_BY_GOAWAY). The sidecar sends
+    // GOAWAY only at exit, after admission closed, so such a call was refused,
+    // never forwarded; the journal check below proves the engine never saw a
+    // `goaway` call. A `reset` never excuses a refusal: the sidecar's graceful,
+    // lingering close must deliver every answer it wrote.
     let unread_refusals = sidecar.get("refused").saturating_sub(c("refused"));
-    if unread_refusals > c("conn_closed") {
+    if unread_refusals > c("goaway") {
         problems.push(format!(
             "the sidecar refused {unread_refusals} calls more than the callers saw, \
-             but only {} calls lost their connection",
-            c("conn_closed")
+             but only {} calls were failed by its GOAWAY",
+            c("goaway")
         ));
     }
     for (label, counted) in pairs {
