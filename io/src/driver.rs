@@ -140,6 +140,9 @@ async fn drive<D: Discovery>(
     let instance_id = new_instance_id();
     let instance_hex = format!("{instance_id:x}");
     let origin = tokio::time::Instant::now();
+    // The same origin on the wall clock, for the deadlines `/state` shows: one
+    // anchor, so an unchanged deadline always shows the same instant.
+    let wall_origin = SystemTime::now();
     let now = move || Time::from(origin.elapsed());
     let mut lifecycle = Lifecycle::new(core_config(&config, instance_id), now());
 
@@ -300,7 +303,7 @@ async fn drive<D: Discovery>(
             lifecycle.handle_event(now(), Event::InFlightChanged { count: in_flight });
             continue;
         }
-        publish(&lifecycle, &status);
+        publish(&lifecycle, &status, wall_origin);
 
         let deadline = lifecycle.poll_timeout();
         let sleep = async {
@@ -364,7 +367,7 @@ fn note_event(event: &Event, status: &Shared) {
 }
 
 /// Copies the lifecycle's state into the admin view after every step.
-fn publish(lifecycle: &Lifecycle, status: &Shared) {
+fn publish(lifecycle: &Lifecycle, status: &Shared, wall_origin: SystemTime) {
     let phase = lifecycle.phase();
     status.update(|s| {
         let name = phase.name();
@@ -382,6 +385,9 @@ fn publish(lifecycle: &Lifecycle, status: &Shared) {
         s.state = name;
         s.reason = lifecycle.reason().map(str::to_string);
         s.in_flight = lifecycle.in_flight();
+        s.deadline = lifecycle
+            .poll_timeout()
+            .map(|(at, why)| (wall_origin + at.since_origin(), why));
     });
 }
 

@@ -41,6 +41,9 @@ pub(crate) struct Status {
     pub(crate) discovery_write_failures: u64,
     pub(crate) lost_at: Option<Instant>,
     pub(crate) loss_to_withdraw: Option<Duration>,
+    /// The core's next deadline on the wall clock, and why: what the sidecar
+    /// waits for ("router grace", "drain deadline", "startup deadline", …).
+    pub(crate) deadline: Option<(SystemTime, &'static str)>,
 }
 
 /// The kind of a loss reason, for the metric label.
@@ -69,6 +72,13 @@ struct StateJson<'a> {
     engine_identity: Option<&'a str>,
     record: Option<&'a str>,
     in_flight: u64,
+    deadline: Option<DeadlineJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct DeadlineJson<'a> {
+    at: String,
+    reason: &'a str,
 }
 
 impl Status {
@@ -81,6 +91,10 @@ impl Status {
             engine_identity: self.engine_identity.as_deref(),
             record: self.record_location.as_deref(),
             in_flight: self.in_flight,
+            deadline: self.deadline.map(|(at, reason)| DeadlineJson {
+                at: crate::timefmt::rfc3339(at),
+                reason,
+            }),
         };
         serde_json::to_string_pretty(&json).unwrap_or_default() + "\n"
     }
@@ -207,5 +221,23 @@ mod tests {
         );
         assert_eq!(loss_kind("routing load stale for 30s"), "stale_load");
         assert_eq!(loss_kind("something new"), "other");
+    }
+
+    #[test]
+    fn state_shows_the_next_deadline_and_why() {
+        let mut status = Status {
+            state: "Draining",
+            ..Status::default()
+        };
+        let at = SystemTime::UNIX_EPOCH + Duration::from_millis(1_796_055_170_123);
+        status.deadline = Some((at, "router grace"));
+        let json: serde_json::Value =
+            serde_json::from_str(&status.state_json()).expect("state is JSON");
+        assert_eq!(json["deadline"]["at"], "2026-11-30T16:12:50.123Z");
+        assert_eq!(json["deadline"]["reason"], "router grace");
+        status.deadline = None;
+        let json: serde_json::Value =
+            serde_json::from_str(&status.state_json()).expect("state is JSON");
+        assert!(json["deadline"].is_null());
     }
 }
