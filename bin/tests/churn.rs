@@ -47,20 +47,13 @@ fn spawn_sidecar(
     admin: SocketAddr,
     n: u32,
 ) -> Proc {
-    let mut args: Vec<String> = vec![
-        "run".into(),
-        "--engine-endpoint".into(),
-        engine.to_string(),
-        "--listen".into(),
-        listen.to_string(),
-        "--admin-listen".into(),
-        admin.to_string(),
-        "--discovery".into(),
-        format!("file:{}", dir.join("discovery").display()),
-        "--startup-deadline".into(),
-        "10m".into(),
-    ];
-    args.extend(FAST.iter().map(|s| s.to_string()));
+    let args = run_args(
+        engine,
+        listen,
+        admin,
+        &dir.join("discovery"),
+        &["--startup-deadline", "10m"],
+    );
     Proc::spawn(&args, dir.join(format!("sidecar-cycle-{n}.log")))
 }
 

@@ -27,15 +27,7 @@ fn assert_lost(sidecar: &mut Sidecar, instance: &str, reason_prefix: &str) -> St
         line.ends_with(&format!("(instance {instance})")),
         "instance id in {line}"
     );
-    let withdrawn = sidecar
-        .proc
-        .line_index("withdrawn from discovery")
-        .expect("withdrawn line");
-    let exiting = sidecar.proc.line_index("exiting 1:").expect("exiting line");
-    assert!(
-        withdrawn < exiting,
-        "the record is withdrawn before the process exits; log:\n{log}"
-    );
+    sidecar.proc.assert_withdrawn_before_exit(1);
     assert!(sidecar.records().is_empty(), "no record is left behind");
     line
 }
@@ -162,14 +154,8 @@ fn engine_without_health_service_warns_once_and_keeps_serving() {
     assert!(sidecar.proc.running());
     assert_eq!(sidecar.records().len(), 1, "still registered");
     assert_eq!(http_get(sidecar.admin, "/ready").map(|r| r.0), Some(200));
-    let warns = sidecar
-        .proc
-        .log_lines()
-        .into_iter()
-        .filter(|l| l.contains(" WARN "))
-        .count();
     assert_eq!(
-        warns,
+        sidecar.proc.count_lines(" WARN "),
         1,
         "exactly one warning; log:\n{}",
         sidecar.proc.log_text()
@@ -194,13 +180,7 @@ fn unregistered_liveness_warns_once_then_counts_once_it_reports() {
     mock.control("/liveness?status=1");
     std::thread::sleep(Duration::from_millis(500));
     assert!(sidecar.proc.running());
-    let warns = sidecar
-        .proc
-        .log_lines()
-        .into_iter()
-        .filter(|l| l.contains(" WARN "))
-        .count();
-    assert_eq!(warns, 1, "exactly one warning");
+    assert_eq!(sidecar.proc.count_lines(" WARN "), 1, "exactly one warning");
     mock.control("/liveness?status=2");
     assert_lost(&mut sidecar, &id, "liveness reported NOT_SERVING");
 }
@@ -317,10 +297,5 @@ fn sigterm_then_a_loss_during_the_drain_still_exits_0_after_withdrawing() {
         sidecar.proc.line_index("ERROR").is_none(),
         "a loss during the drain is not an error"
     );
-    let withdrawn = sidecar
-        .proc
-        .line_index("withdrawn from discovery")
-        .expect("withdrawn");
-    let exiting = sidecar.proc.line_index("exiting 0:").expect("exiting 0");
-    assert!(withdrawn < exiting);
+    sidecar.proc.assert_withdrawn_before_exit(0);
 }

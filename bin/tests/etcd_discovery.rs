@@ -57,15 +57,7 @@ fn liveness_not_serving_deletes_the_key_while_running_then_exits_1() {
     mock.control("/liveness?status=2");
     assert_eq!(sidecar.proc.wait_exit(HANG), 1);
     assert!(etcd.get(&key).is_none(), "the key is gone");
-    let withdrawn = sidecar
-        .proc
-        .line_index("withdrawn from discovery")
-        .expect("withdrawn");
-    let exiting = sidecar.proc.line_index("exiting 1:").expect("exiting");
-    assert!(
-        withdrawn < exiting,
-        "the key was deleted before the process ended"
-    );
+    sidecar.proc.assert_withdrawn_before_exit(1);
 }
 
 #[test]

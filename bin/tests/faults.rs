@@ -279,9 +279,7 @@ fn sigterm_racing_an_engine_loss_exits_with_whichever_came_first() {
         };
         assert_eq!(code, expected, "log:\n{}", sidecar.proc.log_text());
         assert!(sidecar.records().is_empty(), "withdrawn either way");
-        let withdrawn = sidecar.proc.line_index("withdrawn from discovery");
-        let exiting = sidecar.proc.line_index(&format!("exiting {code}:"));
-        assert!(withdrawn.is_some() && withdrawn < exiting);
+        sidecar.proc.assert_withdrawn_before_exit(code);
         let ledger = load.stop();
         let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
         println!("race round {round}: exit {code}; {report}");

@@ -262,12 +262,7 @@ fn sigterm_drains_a_short_stream_and_refuses_new_calls() {
             .any(|i| i == "too-late"),
         "the engine never saw the refused call: {seen}"
     );
-    let withdrawn = sidecar
-        .proc
-        .line_index("withdrawn from discovery")
-        .expect("withdrawn");
-    let exiting = sidecar.proc.line_index("exiting 0:").expect("exiting");
-    assert!(withdrawn < exiting);
+    sidecar.proc.assert_withdrawn_before_exit(0);
 }
 
 #[test]
@@ -452,6 +447,7 @@ const H2_ACK: u8 = 0x1;
 #[test]
 fn exit_closes_a_busy_caller_connection_without_a_reset() {
     use std::io::ErrorKind;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
     let dir = TempDir::new("linger");
@@ -468,12 +464,12 @@ fn exit_closes_a_busy_caller_connection_without_a_reset() {
 
     // The busy caller: a ping every 5 ms until told to stop; the first write
     // error is kept.
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
     let pinger = {
         let (writer, stop) = (writer.clone(), stop.clone());
         std::thread::spawn(move || {
             let ping = h2_frame(H2_PING, 0, b"busy-cli");
-            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            while !stop.load(Ordering::Acquire) {
                 if let Err(e) = writer.lock().expect("writer").write_all(&ping) {
                     return Some(e.kind());
                 }
@@ -515,7 +511,7 @@ fn exit_closes_a_busy_caller_connection_without_a_reset() {
     // A caller keeps talking for a moment after the end of the stream, as a
     // busy one does before it notices.
     std::thread::sleep(Duration::from_millis(100));
-    stop.store(true, std::sync::atomic::Ordering::Release);
+    stop.store(true, Ordering::Release);
     let write_error = pinger.join().expect("pinger");
     drop(reader);
     assert!(goaway, "the sidecar said GOAWAY before closing");

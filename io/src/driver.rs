@@ -303,9 +303,9 @@ async fn drive<D: Discovery>(
             lifecycle.handle_event(now(), Event::InFlightChanged { count: in_flight });
             continue;
         }
-        publish(&lifecycle, &status, wall_origin);
-
         let deadline = lifecycle.poll_timeout();
+        publish(&lifecycle, deadline, &status, wall_origin);
+
         let sleep = async {
             match deadline {
                 Some((at, _)) => tokio::time::sleep_until(origin + at.since_origin()).await,
@@ -367,7 +367,12 @@ fn note_event(event: &Event, status: &Shared) {
 }
 
 /// Copies the lifecycle's state into the admin view after every step.
-fn publish(lifecycle: &Lifecycle, status: &Shared, wall_origin: SystemTime) {
+fn publish(
+    lifecycle: &Lifecycle,
+    deadline: Option<(Time, &'static str)>,
+    status: &Shared,
+    wall_origin: SystemTime,
+) {
     let phase = lifecycle.phase();
     status.update(|s| {
         let name = phase.name();
@@ -385,9 +390,7 @@ fn publish(lifecycle: &Lifecycle, status: &Shared, wall_origin: SystemTime) {
         s.state = name;
         s.reason = lifecycle.reason().map(str::to_string);
         s.in_flight = lifecycle.in_flight();
-        s.deadline = lifecycle
-            .poll_timeout()
-            .map(|(at, why)| (wall_origin + at.since_origin(), why));
+        s.deadline = deadline.map(|(at, why)| (wall_origin + at.since_origin(), why));
     });
 }
 

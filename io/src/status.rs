@@ -102,111 +102,111 @@ impl Status {
     pub(crate) fn metrics(&self, proxy: &crate::proxy::ProxyMetrics, in_flight: u64) -> String {
         use std::sync::atomic::Ordering::Relaxed;
         let mut m = String::new();
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_state 1 for the lifecycle state the sidecar is in."
+        family(
+            &mut m,
+            "llm_sidecar_state",
+            "gauge",
+            "1 for the lifecycle state the sidecar is in.",
         );
-        let _ = writeln!(m, "# TYPE llm_sidecar_state gauge");
         for s in ["Starting", "Serving", "Draining", "Lost", "Exited"] {
-            let _ = writeln!(
-                m,
-                "llm_sidecar_state{{state=\"{s}\"}} {}",
-                u8::from(self.state == s)
-            );
+            let on = u8::from(self.state == s);
+            let _ = writeln!(m, "llm_sidecar_state{{state=\"{s}\"}} {on}");
         }
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_engine_losses_total Engine losses accepted while serving, by reason."
+        family(
+            &mut m,
+            "llm_sidecar_engine_losses_total",
+            "counter",
+            "Engine losses accepted while serving, by reason.",
         );
-        let _ = writeln!(m, "# TYPE llm_sidecar_engine_losses_total counter");
         for (kind, n) in &self.losses {
             let _ = writeln!(
                 m,
                 "llm_sidecar_engine_losses_total{{reason=\"{kind}\"}} {n}"
             );
         }
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_liveness_watch_status Last raw grpc.health.v1 status on the liveness Watch (-1: none yet)."
+        family(
+            &mut m,
+            "llm_sidecar_liveness_watch_status",
+            "gauge",
+            "Last raw grpc.health.v1 status on the liveness Watch (-1: none yet).",
         );
-        let _ = writeln!(m, "# TYPE llm_sidecar_liveness_watch_status gauge");
-        let _ = writeln!(
-            m,
-            "llm_sidecar_liveness_watch_status {}",
-            self.liveness_status.unwrap_or(-1)
+        let status = self.liveness_status.unwrap_or(-1);
+        let _ = writeln!(m, "llm_sidecar_liveness_watch_status {status}");
+        family(
+            &mut m,
+            "llm_sidecar_probe_age_seconds",
+            "gauge",
+            "Seconds since the last fresh probe answer (-1: none yet).",
         );
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_probe_age_seconds Seconds since the last fresh probe answer (-1: none yet)."
-        );
-        let _ = writeln!(m, "# TYPE llm_sidecar_probe_age_seconds gauge");
         let age = self
             .last_fresh_probe
             .map_or(-1.0, |t| t.elapsed().as_secs_f64());
         let _ = writeln!(m, "llm_sidecar_probe_age_seconds {age:.3}");
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_discovery_write_failures_total Discovery writes (register or withdraw) that failed."
+        family(
+            &mut m,
+            "llm_sidecar_discovery_write_failures_total",
+            "counter",
+            "Discovery writes (register or withdraw) that failed.",
         );
-        let _ = writeln!(
-            m,
-            "# TYPE llm_sidecar_discovery_write_failures_total counter"
+        let failures = self.discovery_write_failures;
+        let _ = writeln!(m, "llm_sidecar_discovery_write_failures_total {failures}");
+        family(
+            &mut m,
+            "llm_sidecar_loss_to_withdraw_seconds",
+            "gauge",
+            "Time from the engine loss to the confirmed withdrawal (-1: no loss).",
         );
-        let _ = writeln!(
-            m,
-            "llm_sidecar_discovery_write_failures_total {}",
-            self.discovery_write_failures
-        );
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_loss_to_withdraw_seconds Time from the engine loss to the confirmed withdrawal (-1: no loss)."
-        );
-        let _ = writeln!(m, "# TYPE llm_sidecar_loss_to_withdraw_seconds gauge");
         let ltw = self.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64());
         let _ = writeln!(m, "llm_sidecar_loss_to_withdraw_seconds {ltw:.6}");
-        let _ = writeln!(m, "# HELP llm_sidecar_in_flight Forwarded calls in flight.");
-        let _ = writeln!(m, "# TYPE llm_sidecar_in_flight gauge");
+        family(
+            &mut m,
+            "llm_sidecar_in_flight",
+            "gauge",
+            "Forwarded calls in flight.",
+        );
         let _ = writeln!(m, "llm_sidecar_in_flight {in_flight}");
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_calls_admitted_total Calls let through admission and forwarded."
+        family(
+            &mut m,
+            "llm_sidecar_calls_admitted_total",
+            "counter",
+            "Calls let through admission and forwarded.",
         );
-        let _ = writeln!(m, "# TYPE llm_sidecar_calls_admitted_total counter");
-        let _ = writeln!(
-            m,
-            "llm_sidecar_calls_admitted_total {}",
-            proxy.admitted.load(Relaxed)
+        let admitted = proxy.admitted.load(Relaxed);
+        let _ = writeln!(m, "llm_sidecar_calls_admitted_total {admitted}");
+        family(
+            &mut m,
+            "llm_sidecar_calls_total",
+            "counter",
+            "Calls on the request plane that ended, by outcome.",
         );
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_calls_total Calls on the request plane that ended, by outcome."
-        );
-        let _ = writeln!(m, "# TYPE llm_sidecar_calls_total counter");
         for outcome in crate::proxy::Outcome::ALL {
+            let (label, n) = (outcome.label(), proxy.ended(outcome));
+            let _ = writeln!(m, "llm_sidecar_calls_total{{outcome=\"{label}\"}} {n}");
+        }
+        family(
+            &mut m,
+            "llm_sidecar_forwarded_bytes_total",
+            "counter",
+            "Message bytes forwarded, by direction.",
+        );
+        for (direction, bytes) in [
+            ("to_engine", &proxy.bytes_to_engine),
+            ("to_caller", &proxy.bytes_to_caller),
+        ] {
+            let n = bytes.load(Relaxed);
             let _ = writeln!(
                 m,
-                "llm_sidecar_calls_total{{outcome=\"{}\"}} {}",
-                outcome.label(),
-                proxy.ended(outcome)
+                "llm_sidecar_forwarded_bytes_total{{direction=\"{direction}\"}} {n}"
             );
         }
-        let _ = writeln!(
-            m,
-            "# HELP llm_sidecar_forwarded_bytes_total Message bytes forwarded, by direction."
-        );
-        let _ = writeln!(m, "# TYPE llm_sidecar_forwarded_bytes_total counter");
-        let _ = writeln!(
-            m,
-            "llm_sidecar_forwarded_bytes_total{{direction=\"to_engine\"}} {}",
-            proxy.bytes_to_engine.load(Relaxed)
-        );
-        let _ = writeln!(
-            m,
-            "llm_sidecar_forwarded_bytes_total{{direction=\"to_caller\"}} {}",
-            proxy.bytes_to_caller.load(Relaxed)
-        );
         m
     }
+}
+
+/// The `# HELP` and `# TYPE` lines that open one metric family.
+fn family(m: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(m, "# HELP {name} {help}");
+    let _ = writeln!(m, "# TYPE {name} {kind}");
 }
 
 #[cfg(test)]

@@ -179,6 +179,25 @@ impl Proc {
         self.log_lines().iter().position(|l| l.contains(needle))
     }
 
+    /// How many log lines contain `needle`.
+    pub fn count_lines(&self, needle: &str) -> usize {
+        self.log_lines()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
+    /// The exit path's order: the withdrawal is logged before `exiting <code>:`.
+    pub fn assert_withdrawn_before_exit(&self, code: i32) {
+        let withdrawn = self.line_index("withdrawn from discovery");
+        let exiting = self.line_index(&format!("exiting {code}:"));
+        assert!(
+            withdrawn.is_some() && exiting.is_some() && withdrawn < exiting,
+            "the record is withdrawn before the process exits {code}; log:\n{}",
+            self.log_text()
+        );
+    }
+
     pub fn wait_for_line(&self, needle: &str, limit: Duration) -> String {
         let mut found = None;
         wait_until(
@@ -289,34 +308,47 @@ pub const FAST: &[&str] = &[
     "5s",
 ];
 
+/// The arguments of `llm-sidecar run` for a test: the given ports, a file
+/// registry in `discovery` (unless `extra` names one), the [`FAST`] timings
+/// (except those `extra` sets itself: clap refuses repeats), then `extra`.
+pub fn run_args(
+    engine: SocketAddr,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    discovery: &Path,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args = vec![
+        "run".to_string(),
+        "--engine-endpoint".into(),
+        engine.to_string(),
+        "--listen".into(),
+        listen.to_string(),
+        "--admin-listen".into(),
+        admin.to_string(),
+    ];
+    if !extra.contains(&"--discovery") {
+        args.extend([
+            "--discovery".to_string(),
+            format!("file:{}", discovery.display()),
+        ]);
+    }
+    for pair in FAST.chunks(2) {
+        if !extra.contains(&pair[0]) {
+            args.extend(pair.iter().map(|s| s.to_string()));
+        }
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
 impl Sidecar {
     pub fn start(dir: &Path, engine: SocketAddr, extra: &[&str]) -> Self {
         let discovery = dir.join("discovery");
         for attempt in 0..5 {
             let admin = free_addr();
             let listen = free_addr();
-            let mut args = vec![
-                "run".to_string(),
-                "--engine-endpoint".into(),
-                engine.to_string(),
-                "--listen".into(),
-                listen.to_string(),
-                "--admin-listen".into(),
-                admin.to_string(),
-            ];
-            if !extra.contains(&"--discovery") {
-                args.extend([
-                    "--discovery".to_string(),
-                    format!("file:{}", discovery.display()),
-                ]);
-            }
-            // The fast defaults, except those the test sets itself (clap refuses repeats).
-            for pair in FAST.chunks(2) {
-                if !extra.contains(&pair[0]) {
-                    args.extend(pair.iter().map(|s| s.to_string()));
-                }
-            }
-            args.extend(extra.iter().map(|s| s.to_string()));
+            let args = run_args(engine, listen, admin, &discovery, extra);
             let log = dir.join(format!("sidecar-{}-{attempt}.log", admin.port()));
             let mut proc = Proc::spawn(&args, log);
             // Ports come from `free_addr`, which another test may grab first: a
