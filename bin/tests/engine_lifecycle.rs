@@ -32,11 +32,13 @@ fn assert_lost(sidecar: &mut Sidecar, instance: &str, reason_prefix: &str) -> St
     line
 }
 
-fn serving(dir: &TempDir, mock_args: &[&str], sidecar_args: &[&str]) -> (Mock, Sidecar, String) {
-    let mock = Mock::start(&dir.0, free_addr(), mock_args);
-    let sidecar = Sidecar::start(&dir.0, mock.grpc, sidecar_args);
-    sidecar.wait_for_record(HANG);
-    sidecar.proc.wait_for_line("registered; serving", HANG);
+/// A serving sidecar in front of a mock engine, and the worker's instance id.
+fn serving_with_id(
+    dir: &TempDir,
+    mock_args: &[&str],
+    sidecar_args: &[&str],
+) -> (Mock, Sidecar, String) {
+    let (mock, sidecar) = serving(&dir.0, mock_args, sidecar_args);
     let id = sidecar.instance_id();
     (mock, sidecar, id)
 }
@@ -119,7 +121,7 @@ fn engine_up_three_seconds_late_is_waited_for_then_registered_with_its_real_valu
 #[test]
 fn liveness_not_serving_withdraws_then_exits_1() {
     let dir = TempDir::new("notserving");
-    let (mock, mut sidecar, id) = serving(&dir, &[], &[]);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
     mock.control("/liveness?status=2");
     let line = assert_lost(&mut sidecar, &id, "liveness reported NOT_SERVING");
     assert!(line.ends_with(&format!(
@@ -130,7 +132,7 @@ fn liveness_not_serving_withdraws_then_exits_1() {
 #[test]
 fn watch_ending_cleanly_is_a_loss() {
     let dir = TempDir::new("watchend");
-    let (mock, mut sidecar, id) = serving(&dir, &[], &[]);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
     mock.control("/watch/end");
     assert_lost(&mut sidecar, &id, "liveness stream ended");
 }
@@ -138,7 +140,7 @@ fn watch_ending_cleanly_is_a_loss() {
 #[test]
 fn engine_killed_fails_the_watch_and_is_a_loss() {
     let dir = TempDir::new("killed");
-    let (mock, mut sidecar, id) = serving(&dir, &[], &[]);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
     mock.proc.signal("KILL");
     assert_lost(&mut sidecar, &id, "liveness stream failed: ");
 }
@@ -146,7 +148,7 @@ fn engine_killed_fails_the_watch_and_is_a_loss() {
 #[test]
 fn engine_without_health_service_warns_once_and_keeps_serving() {
     let dir = TempDir::new("nohealth");
-    let (_mock, mut sidecar, _id) = serving(&dir, &["--no-health"], &[]);
+    let (_mock, mut sidecar, _id) = serving_with_id(&dir, &["--no-health"], &[]);
     sidecar
         .proc
         .wait_for_line("does not serve grpc.health.v1", HANG);
@@ -168,7 +170,7 @@ fn engine_without_health_service_warns_once_and_keeps_serving() {
 #[test]
 fn unregistered_liveness_warns_once_then_counts_once_it_reports() {
     let dir = TempDir::new("unregistered");
-    let (mock, mut sidecar, id) = serving(&dir, &["--liveness-unregistered"], &[]);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &["--liveness-unregistered"], &[]);
     sidecar
         .proc
         .wait_for_line("is not registered on the engine yet", HANG);
@@ -188,7 +190,7 @@ fn unregistered_liveness_warns_once_then_counts_once_it_reports() {
 #[test]
 fn stalled_healthcheck_is_a_stale_load_loss() {
     let dir = TempDir::new("stale");
-    let (mock, mut sidecar, id) = serving(
+    let (mock, mut sidecar, id) = serving_with_id(
         &dir,
         &[],
         &["--probe-interval", "300ms", "--stale-after", "1500ms"],
@@ -208,7 +210,7 @@ fn stalled_healthcheck_is_a_stale_load_loss() {
 #[test]
 fn a_new_engine_identity_is_a_loss() {
     let dir = TempDir::new("identity");
-    let (mock, mut sidecar, id) = serving(&dir, &[], &["--probe-interval", "300ms"]);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &["--probe-interval", "300ms"]);
     mock.control("/identity?version=2.0.0-other");
     let line = assert_lost(&mut sidecar, &id, "new engine identity trtllm 1.0.0-mock ");
     assert!(line.contains("-> trtllm 2.0.0-other "), "{line}");
@@ -277,7 +279,7 @@ fn malformed_flags_exit_2_before_contacting_anything() {
 #[test]
 fn sigterm_then_a_loss_during_the_drain_still_exits_0_after_withdrawing() {
     let dir = TempDir::new("term-then-loss");
-    let (mock, mut sidecar, id) = serving(&dir, &[], &["--router-grace", "2s"]);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &["--router-grace", "2s"]);
     sidecar.proc.signal("TERM");
     wait_until(HANG, "the record to be withdrawn", || {
         sidecar.records().is_empty()
@@ -298,4 +300,170 @@ fn sigterm_then_a_loss_during_the_drain_still_exits_0_after_withdrawing() {
         "a loss during the drain is not an error"
     );
     sidecar.proc.assert_withdrawn_before_exit(0);
+}
+
+#[test]
+fn a_liveness_watch_that_never_opens_is_a_loss() {
+    let dir = TempDir::new("watch-held");
+    let (_mock, mut sidecar, id) = serving_with_id(
+        &dir,
+        &["--hold-watch"],
+        &["--connect-attempt-timeout", "1s"],
+    );
+    assert_lost(&mut sidecar, &id, "liveness watch did not open in 1s");
+}
+
+#[test]
+fn an_error_status_sent_on_the_watch_is_a_loss() {
+    let dir = TempDir::new("watch-error");
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
+    mock.control("/watch/fail?code=13&message=executor%20failed");
+    assert_lost(
+        &mut sidecar,
+        &id,
+        "liveness stream failed: INTERNAL: executor failed",
+    );
+}
+
+#[test]
+fn liveness_deregistered_after_a_status_is_a_loss() {
+    let dir = TempDir::new("deregistered");
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
+    mock.control("/unregister?service=liveness");
+    assert_lost(&mut sidecar, &id, "liveness service deregistered");
+}
+
+#[test]
+fn not_found_on_the_watch_warns_once_and_keeps_serving() {
+    let dir = TempDir::new("watch-not-found");
+    let (_mock, mut sidecar, _id) = serving_with_id(
+        &dir,
+        &["--liveness-unregistered", "--watch-unknown-not-found"],
+        &[],
+    );
+    let warn = sidecar
+        .proc
+        .wait_for_line("does not serve grpc.health.v1 Watch", HANG);
+    assert!(
+        warn.contains("WARN") && warn.contains("NOT_FOUND"),
+        "{warn}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        sidecar.proc.running(),
+        "NOT_FOUND is an older engine, not a loss"
+    );
+    assert_eq!(sidecar.records().len(), 1, "still registered");
+    assert_eq!(sidecar.proc.count_lines(" WARN "), 1, "exactly one warning");
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn inference_going_not_serving_changes_nothing() {
+    let dir = TempDir::new("inference");
+    let (mock, mut sidecar, _id) = serving_with_id(&dir, &[], &[]);
+    mock.control("/liveness?service=inference&status=2");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "readiness is never followed");
+    assert_eq!(sidecar.records().len(), 1, "still registered");
+    assert_eq!(http_get(sidecar.admin, "/ready").map(|r| r.0), Some(200));
+    assert!(sidecar.proc.line_index(" WARN ").is_none());
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn a_watch_ending_without_trailers_is_a_loss() {
+    let dir = TempDir::new("no-trailers");
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
+    mock.control("/watch/end?trailers=false");
+    assert_lost(&mut sidecar, &id, "liveness stream ended");
+}
+
+#[test]
+fn the_engine_stopping_gracefully_ends_the_watch_and_is_a_loss() {
+    let dir = TempDir::new("graceful-stop");
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &[]);
+    mock.control("/stop?grace_ms=2000");
+    assert_lost(&mut sidecar, &id, "liveness stream ended");
+}
+
+/// SIGTERM with a router grace long enough for a loss to happen inside it:
+/// the loss is a WARN, the exit stays 0, and no ERROR is logged.
+fn assert_loss_during_drain_keeps_exit_0(
+    name: &str,
+    cause: &str,
+    reason_prefix: &str,
+    sidecar_args: &[&str],
+) {
+    let dir = TempDir::new(name);
+    let mut args = vec!["--router-grace", "6s"];
+    args.extend_from_slice(sidecar_args);
+    let (mock, mut sidecar, id) = serving_with_id(&dir, &[], &args);
+    sidecar.proc.signal("TERM");
+    wait_until(HANG, "the record to be withdrawn", || {
+        sidecar.records().is_empty()
+    });
+    mock.control(cause);
+    let warn = sidecar.proc.wait_for_line("engine lost during drain", HANG);
+    assert!(
+        warn.contains("WARN")
+            && warn.contains(&format!("engine lost during drain: {reason_prefix}"))
+            && warn.ends_with(&format!("(instance {id}); exit code stays 0")),
+        "{warn}"
+    );
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(
+        sidecar.proc.line_index("ERROR").is_none(),
+        "a loss during the drain is not an error; log:\n{}",
+        sidecar.proc.log_text()
+    );
+    sidecar.proc.assert_withdrawn_before_exit(0);
+}
+
+#[test]
+fn stale_load_during_the_sigterm_drain_keeps_exit_0() {
+    assert_loss_during_drain_keeps_exit_0(
+        "drain-stale",
+        "/healthcheck?mode=stall",
+        "routing load stale for ",
+        &["--probe-interval", "300ms", "--stale-after", "1500ms"],
+    );
+}
+
+#[test]
+fn a_new_identity_during_the_sigterm_drain_keeps_exit_0() {
+    assert_loss_during_drain_keeps_exit_0(
+        "drain-identity",
+        "/identity?version=2.0.0-other",
+        "new engine identity trtllm 1.0.0-mock ",
+        &["--probe-interval", "300ms"],
+    );
+}
+
+/// The OS refusing the runtime's threads (here: one process allowed for the
+/// user the sidecar runs as) is exit 71, never 1 ("engine lost"). Needs root to
+/// switch users, as CI has.
+#[test]
+fn a_runtime_that_cannot_start_exits_71_not_1() {
+    let dir = TempDir::new("runtime");
+    let out = std::process::Command::new("prlimit")
+        .args(["--nproc=1", "setpriv", "--reuid=65534", "--regid=65534"])
+        .args(["--clear-groups", binary(), "run", "--admin-listen"])
+        .arg(free_addr().to_string())
+        .arg("--listen")
+        .arg(free_addr().to_string())
+        .arg("--discovery")
+        .arg(format!("file:{}", dir.0.join("discovery").display()))
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .expect("run prlimit and setpriv (util-linux; the tests run as root)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(71), "exit code; stderr:\n{stderr}");
+    assert!(
+        stderr.contains("cannot start the async runtime"),
+        "says why: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "no panic output: {stderr}");
 }

@@ -13,13 +13,13 @@ fn key_of(etcd: &Etcd) -> String {
     etcd.keys().remove(0)
 }
 
-fn serving(dir: &TempDir, etcd: &Etcd, extra: &[&str]) -> (Mock, Sidecar, String) {
+fn serving_on_etcd(dir: &TempDir, etcd: &Etcd, extra: &[&str]) -> (Mock, Sidecar, String) {
     let mock = Mock::start(&dir.0, free_addr(), &[]);
     let endpoint = etcd.endpoint();
     let mut args = vec!["--discovery", endpoint.as_str()];
     args.extend_from_slice(extra);
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &args);
-    sidecar.proc.wait_for_line("registered; serving", HANG);
+    sidecar.wait_serving();
     let key = key_of(etcd);
     (mock, sidecar, key)
 }
@@ -28,7 +28,7 @@ fn serving(dir: &TempDir, etcd: &Etcd, extra: &[&str]) -> (Mock, Sidecar, String
 fn the_record_is_put_with_a_lease_of_the_configured_ttl() {
     let dir = TempDir::new("etcd-register");
     let etcd = Etcd::started(&dir.0);
-    let (_mock, mut sidecar, key) = serving(&dir, &etcd, &["--lease-ttl", "7s"]);
+    let (_mock, mut sidecar, key) = serving_on_etcd(&dir, &etcd, &["--lease-ttl", "7s"]);
     let id = sidecar.instance_id();
     assert_eq!(key, format!("v1/instances/dynamo/backend/generate/{id}"));
     let entry = etcd.get(&key).expect("key");
@@ -53,10 +53,29 @@ fn the_record_is_put_with_a_lease_of_the_configured_ttl() {
 fn liveness_not_serving_deletes_the_key_while_running_then_exits_1() {
     let dir = TempDir::new("etcd-loss");
     let etcd = Etcd::started(&dir.0);
-    let (mock, mut sidecar, key) = serving(&dir, &etcd, &[]);
+    let mock = Mock::start(&dir.0, free_addr(), &["--token-delay", "10ms"]);
+    let endpoint = etcd.endpoint();
+    let sidecar = Sidecar::start(
+        &dir.0,
+        mock.grpc,
+        &["--discovery", endpoint.as_str(), "--drain-timeout", "30s"],
+    );
+    let mut sidecar = sidecar;
+    sidecar.wait_serving();
+    let key = key_of(&etcd);
+    // A long call in flight keeps the process draining after the withdrawal.
+    let call = bench_spawn(sidecar.listen, &["-c", "1", "-n", "600", "--calls", "1"]);
+    wait_until(HANG, "the call to be in flight", || {
+        sidecar.metric("llm_sidecar_in_flight") == Some(1.0)
+    });
     mock.control("/liveness?status=2");
+    wait_until(HANG, "the key to be deleted", || etcd.get(&key).is_none());
+    assert!(
+        sidecar.proc.running(),
+        "the key is gone while the sidecar still drains its call"
+    );
+    assert_eq!(bench_report(call)["calls_ok"], 1, "the call drained");
     assert_eq!(sidecar.proc.wait_exit(HANG), 1);
-    assert!(etcd.get(&key).is_none(), "the key is gone");
     sidecar.proc.assert_withdrawn_before_exit(1);
 }
 
@@ -64,7 +83,7 @@ fn liveness_not_serving_deletes_the_key_while_running_then_exits_1() {
 fn a_killed_sidecars_record_expires_with_its_lease() {
     let dir = TempDir::new("etcd-kill");
     let etcd = Etcd::started(&dir.0);
-    let (_mock, sidecar, key) = serving(&dir, &etcd, &["--lease-ttl", "3s"]);
+    let (_mock, sidecar, key) = serving_on_etcd(&dir, &etcd, &["--lease-ttl", "3s"]);
     let killed = Instant::now();
     sidecar.proc.signal("KILL");
     // Generous, yet short of the default 10 s TTL: the key must go with the
@@ -84,7 +103,7 @@ fn a_killed_sidecars_record_expires_with_its_lease() {
 fn an_etcd_outage_longer_than_the_ttl_is_survived_with_a_fresh_lease() {
     let dir = TempDir::new("etcd-outage");
     let mut etcd = Etcd::started(&dir.0);
-    let (_mock, mut sidecar, key) = serving(&dir, &etcd, &["--lease-ttl", "2s"]);
+    let (_mock, mut sidecar, key) = serving_on_etcd(&dir, &etcd, &["--lease-ttl", "2s"]);
     let old_lease = etcd.get(&key).expect("key").lease;
     let listen = sidecar.listen;
     etcd.stop();
@@ -253,7 +272,7 @@ fn etcd_down_at_startup_is_waited_for_until_the_deadline() {
 fn sigterm_deletes_the_key_and_revokes_the_lease_then_exits_0() {
     let dir = TempDir::new("etcd-term");
     let etcd = Etcd::started(&dir.0);
-    let (_mock, mut sidecar, key) = serving(&dir, &etcd, &["--router-grace", "1s"]);
+    let (_mock, mut sidecar, key) = serving_on_etcd(&dir, &etcd, &["--router-grace", "1s"]);
     let lease = etcd.get(&key).expect("key").lease;
     sidecar.proc.signal("TERM");
     wait_until(HANG, "the key to be deleted", || etcd.get(&key).is_none());

@@ -16,11 +16,6 @@ fn journaled_mock(dir: &TempDir, grpc: std::net::SocketAddr, extra: &[&str]) -> 
     Mock::start_journaled(&dir.0, grpc, extra)
 }
 
-fn serving(sidecar: &Sidecar) {
-    sidecar.wait_for_record(HANG);
-    sidecar.proc.wait_for_line("registered; serving", HANG);
-}
-
 /// Waits until the record is gone; returns how long that took from `since`.
 fn withdrawn_after(sidecar: &Sidecar, since: Instant) -> Duration {
     wait_until(HANG, "the record to be withdrawn", || {
@@ -38,7 +33,7 @@ fn engine_paused_shorter_than_the_loss_windows_loses_no_call() {
     let dir = TempDir::new("pause-short");
     let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
     let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let load = Load::start(sidecar.listen, Shape::mixed("pause-short"));
     lets_load_run(800);
     mock.proc.signal("STOP");
@@ -65,7 +60,7 @@ fn engine_frozen_by_sigstop_is_withdrawn_and_every_call_accounted_for() {
     let dir = TempDir::new("freeze");
     let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
     let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let load = Load::start(sidecar.listen, Shape::mixed("freeze"));
     lets_load_run(800);
     let frozen = Instant::now();
@@ -106,7 +101,7 @@ fn silent_network_shorter_than_the_keepalive_window_is_ridden_out() {
     let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
     let relay = Relay::start(mock.grpc);
     let mut sidecar = Sidecar::start(&dir.0, relay.addr, KEEPALIVE_ONLY);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let load = Load::start(sidecar.listen, Shape::mixed("silent-short"));
     lets_load_run(800);
     relay.set_silent(true);
@@ -128,7 +123,7 @@ fn silent_network_longer_than_the_keepalive_window_is_a_loss() {
     let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
     let relay = Relay::start(mock.grpc);
     let mut sidecar = Sidecar::start(&dir.0, relay.addr, KEEPALIVE_ONLY);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let load = Load::start(sidecar.listen, Shape::mixed("silent-long"));
     lets_load_run(800);
     let silenced = Instant::now();
@@ -154,7 +149,7 @@ fn engine_restarted_on_its_port_with_a_new_identity_is_registered_anew() {
     let grpc = free_addr();
     let (mut first, journal) = journaled_mock(&dir, grpc, &["--engine-version", "1.0.0"]);
     let mut sidecar = Sidecar::start(&dir.0, grpc, &[]);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let old = sidecar.record(&sidecar.records()[0]);
     let load = Load::start(sidecar.listen, Shape::mixed("restart-a"));
     lets_load_run(800);
@@ -169,7 +164,7 @@ fn engine_restarted_on_its_port_with_a_new_identity_is_registered_anew() {
 
     // The supervisor restarts the sidecar: it registers the new engine.
     let mut again = Sidecar::start(&dir.0, grpc, &[]);
-    serving(&again);
+    again.wait_serving();
     let new = again.record(&again.records()[0]);
     assert_ne!(new["engine"]["identity"], old["engine"]["identity"]);
     assert_eq!(new["engine"]["version"], "2.0.0");
@@ -190,7 +185,7 @@ fn sigterm_twice_keeps_the_first_deadlines() {
     let dir = TempDir::new("term-twice");
     let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
     let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &["--router-grace", "4s"]);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let load = Load::start(sidecar.listen, Shape::mixed("term-twice"));
     lets_load_run(500);
     // The deadline /state shows while the router grace runs.
@@ -233,7 +228,7 @@ fn sigterm_while_lost_keeps_exit_code_1() {
     let dir = TempDir::new("term-lost");
     let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
     let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
-    serving(&sidecar);
+    sidecar.wait_serving();
     let load = Load::start(sidecar.listen, Shape::mixed("term-lost"));
     // Keeps the sidecar in Lost until the drain deadline, so the signal below
     // always finds it there.
@@ -261,7 +256,7 @@ fn sigterm_racing_an_engine_loss_exits_with_whichever_came_first() {
         let dir = TempDir::new(&format!("race-{round}"));
         let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
         let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
-        serving(&sidecar);
+        sidecar.wait_serving();
         let load = Load::start(sidecar.listen, Shape::mixed(&format!("race-{round}")));
         lets_load_run(300);
         // Both at once: the order the sidecar sees them in decides the code.
@@ -298,7 +293,7 @@ fn exit_under_a_crowd_of_callers_loses_no_call() {
         let dir = TempDir::new("crowd");
         let (mock, journal) = journaled_mock(&dir, free_addr(), &[]);
         let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
-        serving(&sidecar);
+        sidecar.wait_serving();
         let mut shape = Shape::mixed(&format!("crowd-{round}"));
         shape.concurrency = 64;
         let load = Load::start(sidecar.listen, shape);
@@ -327,7 +322,7 @@ fn read_only_discovery_dir_delays_registration_and_blocks_withdrawal_loudly() {
     assert_eq!(sidecar.state()["state"], "Starting");
     assert!(sidecar.records().is_empty());
     mount.set_read_only(false);
-    serving(&sidecar);
+    sidecar.wait_serving();
     sidecar
         .proc
         .wait_for_line("discovery writes succeed again", HANG);
@@ -380,7 +375,7 @@ fn full_disk_delays_registration_and_leaves_no_partial_record() {
         mount.temp_files()
     );
     std::fs::remove_file(&filler).expect("free the space");
-    serving(&sidecar);
+    sidecar.wait_serving();
     let record = sidecar.record(&sidecar.records()[0]);
     assert_eq!(
         record["transport"], "grpc",

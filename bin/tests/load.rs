@@ -15,18 +15,6 @@ use std::time::Duration;
 
 use support::*;
 
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 /// The caller connections the sidecar process still holds: its socket
 /// descriptors, by inode, that are a request-plane connection in the kernel's
 /// TCP table, or that the kernel has closed already (in no table at all) but
@@ -85,21 +73,6 @@ fn metric(sidecar: &Sidecar, name: &str) -> f64 {
     sidecar.metric(name).unwrap_or(f64::NAN)
 }
 
-fn bench(target: std::net::SocketAddr, args: &[&str]) -> std::process::Child {
-    std::process::Command::new(binary())
-        .args(["bench", "--target", &target.to_string(), "--json"])
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("bench")
-}
-
-fn report(child: std::process::Child) -> serde_json::Value {
-    let out = child.wait_with_output().expect("bench output");
-    serde_json::from_slice(&out.stdout).expect("bench report is JSON")
-}
-
 #[test]
 fn a_thousand_streams_and_a_burst_of_short_calls() {
     let secs: u64 = std::env::var("LOAD_SECS")
@@ -129,7 +102,7 @@ fn a_thousand_streams_and_a_burst_of_short_calls() {
     for _round in 0..rounds {
         // 1,000 long streams (a token every 20 ms) over 4 connections, and 32
         // callers sending one-token calls as fast as they come back.
-        let streams = bench(
+        let streams = bench_spawn(
             sidecar.listen,
             &[
                 "-c",
@@ -142,15 +115,15 @@ fn a_thousand_streams_and_a_burst_of_short_calls() {
                 &duration,
             ],
         );
-        let burst = bench(sidecar.listen, &["-c", "32", "-n", "1", "-d", &duration]);
+        let burst = bench_spawn(sidecar.listen, &["-c", "32", "-n", "1", "-d", &duration]);
         for _ in 0..round_secs * 2 {
             std::thread::sleep(Duration::from_millis(500));
             peak = peak.max(rss_kib(pid));
             peak_in_flight = peak_in_flight.max(metric(&sidecar, "llm_sidecar_in_flight "));
             peak_connections = peak_connections.max(caller_connections(pid, port));
         }
-        let streams = report(streams);
-        let burst = report(burst);
+        let streams = bench_report(streams);
+        let burst = bench_report(burst);
         assert_eq!(streams["errors"], serde_json::json!({}), "{streams}");
         assert_eq!(burst["errors"], serde_json::json!({}), "{burst}");
         streams_ok += streams["calls_ok"].as_u64().unwrap_or(0);

@@ -55,44 +55,28 @@ fn children_of(parent: u32) -> Vec<u32> {
     out
 }
 
-fn peak_rss_kib(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
-        .filter_map(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))?
-                .split_whitespace()
-                .nth(1)?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+/// Peak resident memory of a process and its children (nginx's workers), KiB.
+fn peak_rss_of(pids: &[u32]) -> u64 {
+    pids.iter().map(|pid| peak_rss_kib(*pid)).sum()
 }
 
 fn bench(target: SocketAddr, streams: usize, secs: u64) -> serde_json::Value {
-    let out = std::process::Command::new(binary())
-        .args([
-            "bench",
-            "--target",
-            &target.to_string(),
-            "-c",
-            &streams.to_string(),
-            "-n",
-            "256",
-            "-d",
-            &format!("{secs}s"),
-            "--json",
-            "--connections",
-            &((streams / 64).max(1)).to_string(),
-        ])
-        .output()
-        .expect("run bench");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "bench output: {e}: {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    let (streams, secs, connections) = (
+        streams.to_string(),
+        format!("{secs}s"),
+        (streams / 64).max(1).to_string(),
+    );
+    let args = [
+        "-c",
+        &streams,
+        "-n",
+        "256",
+        "-d",
+        &secs,
+        "--connections",
+        &connections,
+    ];
+    bench_report(bench_spawn(target, &args))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -191,7 +175,7 @@ fn proxy_cost_side_by_side() {
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
     sidecar.wait_for_record(HANG);
     let nginx = start_nginx(&dir.0, mock.grpc);
-    let idle_sidecar = peak_rss_kib(&[sidecar.proc.pid()]);
+    let idle_sidecar = peak_rss_of(&[sidecar.proc.pid()]);
     let mut targets: Vec<(&str, SocketAddr, Vec<u32>)> = vec![
         ("direct", mock.grpc, vec![]),
         ("llm-sidecar", sidecar.listen, vec![sidecar.proc.pid()]),
@@ -248,10 +232,10 @@ fn proxy_cost_side_by_side() {
             let t = median(r.0.clone());
             let rss = match *name {
                 "llm-sidecar" => {
-                    format!("{:.1}", peak_rss_kib(&[sidecar.proc.pid()]) as f64 / 1024.0)
+                    format!("{:.1}", peak_rss_of(&[sidecar.proc.pid()]) as f64 / 1024.0)
                 }
                 "nginx" => nginx.as_ref().map_or("-".into(), |(p, _)| {
-                    format!("{:.1}", peak_rss_kib(&children_of(p.pid())) as f64 / 1024.0)
+                    format!("{:.1}", peak_rss_of(&children_of(p.pid())) as f64 / 1024.0)
                 }),
                 _ => "-".into(),
             };

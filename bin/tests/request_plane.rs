@@ -79,14 +79,6 @@ async fn run_generate(mut c: TrtllmServiceClient<Channel>, req: GenerateRequest)
     }
 }
 
-fn serving(dir: &TempDir, mock_args: &[&str], sidecar_args: &[&str]) -> (Mock, Sidecar) {
-    let mock = Mock::start(&dir.0, free_addr(), mock_args);
-    let sidecar = Sidecar::start(&dir.0, mock.grpc, sidecar_args);
-    sidecar.wait_for_record(HANG);
-    sidecar.proc.wait_for_line("registered; serving", HANG);
-    (mock, sidecar)
-}
-
 /// Waits (bounded) until the mock engine recorded that call `id` was reset.
 fn wait_for_engine_reset(mock: &Mock, id: &str) {
     wait_until(
@@ -103,7 +95,7 @@ fn wait_for_engine_reset(mock: &Mock, id: &str) {
 #[test]
 fn calls_through_the_sidecar_are_what_the_engine_sends() {
     let dir = TempDir::new("passthrough");
-    let (mock, mut sidecar) = serving(&dir, &[], &[]);
+    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
     rt().block_on(async {
         let direct = run_generate(client(mock.grpc).await, generate("same-1", 8, 64)).await;
         let proxied = run_generate(client(sidecar.listen).await, generate("same-1", 8, 64)).await;
@@ -155,7 +147,7 @@ fn calls_through_the_sidecar_are_what_the_engine_sends() {
 #[test]
 fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
     let dir = TempDir::new("timeout");
-    let (mock, mut sidecar) = serving(&dir, &["--token-delay", "50ms"], &[]);
+    let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "50ms"], &[]);
     rt().block_on(async {
         let mut c = client(sidecar.listen).await;
         let mut request = tonic::Request::new(generate("slow", 4, 1000));
@@ -184,7 +176,7 @@ fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
 #[test]
 fn a_caller_cancel_resets_the_engine_stream_at_once() {
     let dir = TempDir::new("cancel");
-    let (mock, mut sidecar) = serving(&dir, &["--token-delay", "50ms"], &[]);
+    let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "50ms"], &[]);
     rt().block_on(async {
         let mut c = client(sidecar.listen).await;
         let mut stream = c
@@ -221,7 +213,7 @@ fn a_caller_cancel_resets_the_engine_stream_at_once() {
 fn sigterm_drains_a_short_stream_and_refuses_new_calls() {
     let dir = TempDir::new("drain");
     let (mock, mut sidecar) = serving(
-        &dir,
+        &dir.0,
         &["--token-delay", "20ms"],
         &["--router-grace", "1s", "--drain-timeout", "10s"],
     );
@@ -269,7 +261,7 @@ fn sigterm_drains_a_short_stream_and_refuses_new_calls() {
 fn sigterm_cuts_a_stream_longer_than_the_drain_deadline() {
     let dir = TempDir::new("cut");
     let (mock, mut sidecar) = serving(
-        &dir,
+        &dir.0,
         &["--token-delay", "50ms"],
         &["--router-grace", "0s", "--drain-timeout", "2s"],
     );
@@ -306,7 +298,7 @@ fn sigterm_cuts_a_stream_longer_than_the_drain_deadline() {
 fn engine_loss_closes_admission_at_once_and_lets_calls_end() {
     let dir = TempDir::new("loss-inflight");
     let (mock, mut sidecar) = serving(
-        &dir,
+        &dir.0,
         &["--token-delay", "20ms"],
         &["--drain-timeout", "10s"],
     );
@@ -344,7 +336,7 @@ fn engine_loss_closes_admission_at_once_and_lets_calls_end() {
 fn bad_input_fails_only_its_own_connection_or_call() {
     let dir = TempDir::new("bad-input");
     let (mock, mut sidecar) = serving(
-        &dir,
+        &dir.0,
         &["--token-delay", "10ms"],
         &["--max-message-bytes", "1024"],
     );
@@ -451,7 +443,7 @@ fn exit_closes_a_busy_caller_connection_without_a_reset() {
     use std::sync::{Arc, Mutex};
 
     let dir = TempDir::new("linger");
-    let (_mock, mut sidecar) = serving(&dir, &[], &[]);
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
     let mut reader = TcpStream::connect(sidecar.listen).expect("connect");
     reader
         .set_read_timeout(Some(Duration::from_secs(10)))

@@ -29,9 +29,11 @@ pub enum Level {
     Error,
 }
 
-/// Why the process ends; the numeric value is the process exit code.
+/// Why the process ends; [`ExitReason::as_i32`] is the process exit code.
+///
+/// Named apart from `std::process::ExitCode`, which the binary returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ExitCode {
+pub enum ExitReason {
     /// 0: shut down after a signal.
     Clean,
     /// 1: the engine was lost; the supervisor should restart the pod.
@@ -40,13 +42,13 @@ pub enum ExitCode {
     StartupFailed,
 }
 
-impl ExitCode {
+impl ExitReason {
     /// The process exit status for this outcome.
     pub const fn as_i32(self) -> i32 {
         match self {
-            ExitCode::Clean => 0,
-            ExitCode::EngineLost => 1,
-            ExitCode::StartupFailed => 3,
+            ExitReason::Clean => 0,
+            ExitReason::EngineLost => 1,
+            ExitReason::StartupFailed => 3,
         }
     }
 }
@@ -77,5 +79,5 @@ pub enum Action {
     /// Reset every call still in flight (both sides see the stream end).
     CancelInFlight,
     /// End the process with this code. Always the last action.
-    Exit(ExitCode),
+    Exit(ExitReason),
 }

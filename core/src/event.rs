@@ -3,6 +3,9 @@
 use std::time::Duration;
 
 /// Something that happened in the world, told to the core by the IO layer.
+///
+/// Time passing is not an event: it reaches the core through
+/// [`crate::Lifecycle::handle_timeout`] (and the time of every event).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Event {
     /// The engine answered its start-up calls; `identity` is its self-description.
@@ -47,8 +50,6 @@ pub enum Event {
         /// Calls admitted and not yet ended.
         count: u64,
     },
-    /// A deadline from `poll_timeout` may have passed. Early firings are no-ops.
-    TimerFired,
 }
 
 /// One thing seen on the `grpc.health.v1.Health/Watch` stream for the liveness service.

@@ -19,7 +19,12 @@
 //! timer cannot let an input slip past a deadline, and a timer that fires
 //! early does nothing.
 //!
-//! See `docs/ARCHITECTURE.md` for the states, the invariants and the diagram.
+//! See `docs/ARCHITECTURE.md` for the states, the invariants and the diagram,
+//! and `docs/CONTRACT.md` for what the lifecycle promises.
+
+// A wildcard arm could swallow an event or a state added later without a word;
+// every match on the core's own enums names every variant.
+#![deny(clippy::wildcard_enum_match_arm)]
 
 mod action;
 mod config;
@@ -27,12 +32,14 @@ mod event;
 pub mod gate;
 mod lifecycle;
 pub mod liveness;
+mod loss;
 mod machine;
 mod sync;
 mod time;
 
-pub use action::{Action, Admission, ExitCode, Health, Level};
+pub use action::{Action, Admission, ExitReason, Health, Level};
 pub use config::Config;
 pub use event::{Event, LivenessObservation};
 pub use lifecycle::{Lifecycle, Phase};
+pub use loss::LossReason;
 pub use time::{HumanDuration, Time};

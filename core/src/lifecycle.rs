@@ -5,10 +5,11 @@ use std::hash::{Hash, Hasher};
 
 use statig::blocking::{IntoStateMachineExt, StateMachine};
 
-use crate::action::{Action, Admission, ExitCode, Health};
+use crate::action::{Action, Admission, ExitReason, Health};
 use crate::config::Config;
 use crate::event::Event;
-use crate::machine::{self, State, Step, Worker};
+use crate::loss::LossReason;
+use crate::machine::{self, Abort, Input, RecordBook, State, Step, Worker};
 use crate::time::Time;
 
 /// The lifecycle state as operators and tests see it.
@@ -23,7 +24,7 @@ pub enum Phase {
     /// Shutting down after an engine loss.
     Lost,
     /// Done; the process exits with this code.
-    Exited(ExitCode),
+    Exited(ExitReason),
 }
 
 impl Phase {
@@ -81,9 +82,8 @@ impl Lifecycle {
     /// the core's clock never runs backwards.
     pub fn handle_event(&mut self, now: Time, event: Event) {
         self.advance(now);
-        if event != Event::TimerFired {
-            self.machine.handle_with_context(&event, &mut self.step);
-        }
+        self.machine
+            .handle_with_context(&Input::Event(event), &mut self.step);
         self.fire_due();
     }
 
@@ -93,6 +93,7 @@ impl Lifecycle {
     }
 
     /// The next action to perform, oldest first.
+    #[must_use = "every action must be performed, in order"]
     pub fn poll_action(&mut self) -> Option<Action> {
         self.step.outbox.pop_front()
     }
@@ -101,6 +102,7 @@ impl Lifecycle {
     ///
     /// Always later than the time of the last input: due deadlines are handled
     /// within the step that reached them.
+    #[must_use = "the driver must wake up at this deadline"]
     pub fn poll_timeout(&self) -> Option<(Time, &'static str)> {
         machine::next_deadline(self.machine.inner(), self.machine.state())
     }
@@ -112,7 +114,7 @@ impl Lifecycle {
             State::Serving {} => Phase::Serving,
             State::Draining { .. } => Phase::Draining,
             State::Lost { .. } => Phase::Lost,
-            State::Exited { code } => Phase::Exited(*code),
+            State::Exited { cause } => Phase::Exited(cause.exit_reason()),
         }
     }
 
@@ -136,9 +138,28 @@ impl Lifecycle {
         self.machine.inner().since
     }
 
-    /// Why the worker is shutting down or exited (loss reason, signal, start-up failure).
-    pub fn reason(&self) -> Option<&str> {
-        self.machine.inner().reason.as_deref()
+    /// Why the worker is shutting down or exited (loss reason, signal,
+    /// start-up failure), as `/state` shows it. `None` while starting or serving.
+    pub fn reason(&self) -> Option<String> {
+        let engine = &self.config().engine_display_name;
+        match self.machine.state() {
+            State::Starting { abort: None } | State::Serving {} => None,
+            State::Starting { abort: Some(a) } => Some(a.cause.describe(engine)),
+            State::Draining { .. } => Some(machine::StopCause::Signal.describe(engine)),
+            State::Lost { reason, .. } => Some(reason.to_string()),
+            State::Exited { cause } => Some(cause.describe(engine)),
+        }
+    }
+
+    /// The engine loss being drained, while Lost.
+    pub fn loss(&self) -> Option<&LossReason> {
+        match self.machine.state() {
+            State::Lost { reason, .. } => Some(reason),
+            State::Starting { .. }
+            | State::Serving {}
+            | State::Draining { .. }
+            | State::Exited { .. } => None,
+        }
     }
 
     /// The engine identity read at start-up.
@@ -165,25 +186,42 @@ impl Lifecycle {
     /// time taken relative to [`Lifecycle::now`]. Two machines with equal
     /// fingerprints (and empty outboxes) answer the same inputs, shifted in
     /// time, with the same actions: model checkers use it to merge states.
+    ///
+    /// Every field of every state and of the shared storage is named here (no
+    /// `..`), so a field added later does not compile until it is accounted
+    /// for. A time that no state will read again (the startup deadline once
+    /// start-up is over, the last fresh probe once nothing is watched) is left
+    /// out: it would keep two otherwise equal states apart for ever.
     pub fn fingerprint(&self) -> u64 {
         let now = self.step.now;
         let rel = |t: Time| -> i128 {
             t.since_origin().as_nanos() as i128 - now.since_origin().as_nanos() as i128
         };
-        let w = self.machine.inner();
         let mut h = DefaultHasher::new();
-        match self.machine.state() {
+        let state = self.machine.state();
+        // Which clocks the state still reads.
+        let (reads_startup_deadline, reads_last_fresh) = match state {
+            State::Starting { abort } => (abort.is_none(), false),
+            State::Serving {} => (false, true),
+            State::Draining { engine_lost, .. } => (false, !*engine_lost),
+            State::Lost { .. } | State::Exited { .. } => (false, false),
+        };
+        match state {
             State::Starting { abort } => {
                 0u8.hash(&mut h);
-                abort.map(|a| (a.code, rel(a.deadline))).hash(&mut h);
+                abort
+                    .as_ref()
+                    .map(|Abort { cause, deadline }| (cause, rel(*deadline)))
+                    .hash(&mut h);
             }
             State::Serving {} => 1u8.hash(&mut h),
             State::Draining {
                 admission_closes_at,
                 drain_deadline,
+                engine_lost,
             } => {
                 2u8.hash(&mut h);
-                (rel(*admission_closes_at), rel(*drain_deadline)).hash(&mut h);
+                (rel(*admission_closes_at), rel(*drain_deadline), engine_lost).hash(&mut h);
             }
             State::Lost {
                 reason,
@@ -192,23 +230,44 @@ impl Lifecycle {
                 3u8.hash(&mut h);
                 (reason, rel(*drain_deadline)).hash(&mut h);
             }
-            State::Exited { code } => {
+            State::Exited { cause } => {
                 4u8.hash(&mut h);
-                code.hash(&mut h);
+                cause.hash(&mut h);
             }
         }
-        rel(w.startup_deadline).hash(&mut h);
-        w.identity.hash(&mut h);
-        w.ledger.hash(&mut h);
-        w.retry_at.map(rel).hash(&mut h);
-        w.watch.hash(&mut h);
-        rel(w.last_fresh).hash(&mut h);
-        w.probe_failing.hash(&mut h);
-        w.loss_during_drain.hash(&mut h);
-        w.in_flight.hash(&mut h);
-        w.admission.hash(&mut h);
-        w.shutdown_code.hash(&mut h);
-        w.discovery_failing.hash(&mut h);
+        let Worker {
+            // Fixed for the machine's life: equal in every state it reaches.
+            config: _,
+            startup_deadline,
+            identity,
+            book:
+                RecordBook {
+                    outstanding,
+                    maybe_present,
+                    withdraw_requested,
+                },
+            retry_at,
+            watch,
+            last_fresh,
+            probe_failing,
+            in_flight,
+            admission,
+            // Only shown by `/state`; no decision reads it.
+            since: _,
+            discovery_failing,
+        } = self.machine.inner();
+        reads_startup_deadline
+            .then(|| rel(*startup_deadline))
+            .hash(&mut h);
+        identity.hash(&mut h);
+        (outstanding, maybe_present, withdraw_requested).hash(&mut h);
+        retry_at.map(rel).hash(&mut h);
+        watch.hash(&mut h);
+        reads_last_fresh.then(|| rel(*last_fresh)).hash(&mut h);
+        probe_failing.hash(&mut h);
+        in_flight.hash(&mut h);
+        admission.hash(&mut h);
+        discovery_failing.hash(&mut h);
         self.step.outbox.hash(&mut h);
         h.finish()
     }
@@ -226,7 +285,7 @@ impl Lifecycle {
             match self.poll_timeout() {
                 Some((at, _)) if at <= self.step.now => {
                     self.machine
-                        .handle_with_context(&Event::TimerFired, &mut self.step);
+                        .handle_with_context(&Input::Timer, &mut self.step);
                 }
                 Some(_) | None => return,
             }

@@ -1,11 +1,12 @@
-//! What an observation on the liveness Watch means (DESIGN §3), as a pure function.
+//! What an observation on the liveness Watch means (docs/CONTRACT.md, "The
+//! liveness table"), as a pure function.
 //!
 //! The IO layer reports raw observations; [`interpret`] turns each one, given what
 //! the watch has shown so far, into nothing, a one-time warning, "unsupported", or
 //! an engine loss with its exact reason text.
 
 use crate::event::LivenessObservation;
-use crate::time::HumanDuration;
+use crate::loss::LossReason;
 
 /// `grpc.health.v1.HealthCheckResponse.ServingStatus` values, as raw numbers.
 pub mod serving_status {
@@ -94,8 +95,8 @@ pub enum Verdict {
         /// The one warning line, unless already given.
         warning: Option<String>,
     },
-    /// The engine is lost, for this reason (DESIGN §3 wording).
-    Loss(String),
+    /// The engine is lost, for this reason.
+    Loss(LossReason),
 }
 
 /// Interprets `observation` given the watch's `phase`; returns the next phase and the verdict.
@@ -123,19 +124,17 @@ pub fn interpret(
                 )),
             ),
             NotRegistered => (NotRegistered, Verdict::Healthy),
-            Active | Unsupported | Concluded => (
-                Concluded,
-                Verdict::Loss("liveness service deregistered".into()),
-            ),
+            Active | Unsupported | Concluded => {
+                (Concluded, Verdict::Loss(LossReason::LivenessDeregistered))
+            }
         },
-        LivenessObservation::Status(raw) => (
-            Concluded,
-            Verdict::Loss(format!("liveness reported {}", serving_status_name(*raw))),
-        ),
+        LivenessObservation::Status(raw) => {
+            (Concluded, Verdict::Loss(LossReason::LivenessReported(*raw)))
+        }
         LivenessObservation::StreamEnded => match phase {
             NotRegistered => (Unsupported, Verdict::Unsupported { warning: None }),
             AwaitingFirst | Active | Unsupported | Concluded => {
-                (Concluded, Verdict::Loss("liveness stream ended".into()))
+                (Concluded, Verdict::Loss(LossReason::LivenessStreamEnded))
             }
         },
         LivenessObservation::StreamFailed { code, message } => {
@@ -154,24 +153,19 @@ pub fn interpret(
                     },
                 )
             } else {
-                let status = if message.is_empty() {
-                    grpc_code_name(*code)
-                } else {
-                    format!("{}: {message}", grpc_code_name(*code))
-                };
                 (
                     Concluded,
-                    Verdict::Loss(format!("liveness stream failed: {status}")),
+                    Verdict::Loss(LossReason::LivenessStreamFailed {
+                        code: *code,
+                        message: message.clone(),
+                    }),
                 )
             }
         }
         LivenessObservation::NotOpened { waited } => match phase {
             AwaitingFirst => (
                 Concluded,
-                Verdict::Loss(format!(
-                    "liveness watch did not open in {}",
-                    HumanDuration(*waited)
-                )),
+                Verdict::Loss(LossReason::LivenessNotOpened { waited: *waited }),
             ),
             // A message did arrive, so the watch did open: a late timer is stale news.
             NotRegistered | Active | Unsupported | Concluded => (phase, Verdict::Healthy),
@@ -198,20 +192,37 @@ mod tests {
             .collect()
     }
 
-    fn loss(s: &str) -> Verdict {
-        Verdict::Loss(s.into())
+    /// The verdicts as the operator reads them: a loss by its exact text.
+    fn texts(verdicts: Vec<Verdict>) -> Vec<String> {
+        verdicts
+            .into_iter()
+            .map(|v| match v {
+                Verdict::Loss(reason) => format!("loss: {reason}"),
+                other @ (Verdict::Healthy | Verdict::Warn(_) | Verdict::Unsupported { .. }) => {
+                    format!("{other:?}")
+                }
+            })
+            .collect()
+    }
+
+    fn loss(s: &str) -> String {
+        format!("loss: {s}")
+    }
+
+    fn healthy() -> String {
+        format!("{:?}", Verdict::Healthy)
     }
 
     #[test]
     fn serving_then_not_serving_is_a_loss_and_repeats_are_ignored() {
         let v = run(&[O::Status(1), O::Status(1), O::Status(2), O::Status(2)]);
         assert_eq!(
-            v,
+            texts(v),
             vec![
-                Verdict::Healthy,
-                Verdict::Healthy,
+                healthy(),
+                healthy(),
                 loss("liveness reported NOT_SERVING"),
-                Verdict::Healthy
+                healthy()
             ]
         );
     }
@@ -219,14 +230,17 @@ mod tests {
     #[test]
     fn unknown_and_out_of_range_values_are_losses_by_name_or_number() {
         assert_eq!(
-            run(&[O::Status(0)]),
+            texts(run(&[O::Status(0)])),
             vec![loss("liveness reported UNKNOWN")]
         );
         assert_eq!(
-            run(&[O::Status(1), O::Status(7)]).pop(),
+            texts(run(&[O::Status(1), O::Status(7)])).pop(),
             Some(loss("liveness reported 7"))
         );
-        assert_eq!(run(&[O::Status(-1)]), vec![loss("liveness reported -1")]);
+        assert_eq!(
+            texts(run(&[O::Status(-1)])),
+            vec![loss("liveness reported -1")]
+        );
     }
 
     #[test]
@@ -247,13 +261,13 @@ mod tests {
 
     #[test]
     fn unimplemented_after_a_message_is_a_stream_failure() {
-        let v = run(&[
+        let v = texts(run(&[
             O::Status(1),
             O::StreamFailed {
                 code: 12,
                 message: "gone".into(),
             },
-        ]);
+        ]));
         assert_eq!(v[1], loss("liveness stream failed: UNIMPLEMENTED: gone"));
     }
 
@@ -263,7 +277,7 @@ mod tests {
         assert!(matches!(&v[0], Verdict::Warn(_)));
         assert_eq!(v[1], Verdict::Healthy);
         assert_eq!(v[2], Verdict::Healthy);
-        assert_eq!(v[3], loss("liveness service deregistered"));
+        assert_eq!(texts(v)[3], loss("liveness service deregistered"));
     }
 
     #[test]
@@ -275,20 +289,20 @@ mod tests {
     #[test]
     fn stream_end_after_known_status_is_a_loss() {
         assert_eq!(
-            run(&[O::Status(1), O::StreamEnded])[1],
+            texts(run(&[O::Status(1), O::StreamEnded]))[1],
             loss("liveness stream ended")
         );
     }
 
     #[test]
     fn stream_failure_carries_the_status() {
-        let v = run(&[
+        let v = texts(run(&[
             O::Status(1),
             O::StreamFailed {
                 code: 14,
                 message: "Cancelling all calls".into(),
             },
-        ]);
+        ]));
         assert_eq!(
             v[1],
             loss("liveness stream failed: UNAVAILABLE: Cancelling all calls")
@@ -300,6 +314,6 @@ mod tests {
         let v = run(&[O::NotOpened {
             waited: Duration::from_secs(30),
         }]);
-        assert_eq!(v, vec![loss("liveness watch did not open in 30s")]);
+        assert_eq!(texts(v), vec![loss("liveness watch did not open in 30s")]);
     }
 }

@@ -1,18 +1,36 @@
 //! The statig state machine. Private: [`crate::Lifecycle`] is the public face.
 //!
-//! Shared storage ([`Worker`]) holds what every state needs; states carry their
-//! own deadlines. Emitted actions go to the [`Step`] context's outbox, because
-//! statig gives no safe `&mut` access to shared storage from outside.
+//! Shared storage ([`Worker`]) holds what every state needs; each state carries
+//! its own data (deadlines, the loss reason, why it ends). Emitted actions go to
+//! the [`Step`] context's outbox, because statig gives no safe `&mut` access to
+//! shared storage from outside.
+//!
+//! Draining and Lost share their drain (discovery answers, in-flight counting,
+//! the drain deadline) through one method, [`Worker::drain_step`], rather than a
+//! statig superstate: each of them ends in an `Exited` state of its own (a clean
+//! shutdown, or the loss with its reason), and a superstate cannot know which
+//! substate it is serving without a field in both that says so again.
 
 use std::collections::VecDeque;
 
 use statig::prelude::*;
 
-use crate::action::{Action, Admission, ExitCode, Health, Level};
+use crate::action::{Action, Admission, ExitReason, Health, Level};
 use crate::config::Config;
 use crate::event::Event;
 use crate::liveness::{self, Verdict, WatchPhase};
+use crate::loss::LossReason;
 use crate::time::{HumanDuration, Time};
+
+/// What the machine reacts to (statig's event type; handlers must call their
+/// parameter `event`): an event from the world, or time reaching a deadline. The timer is internal: the world tells the core the time through
+/// `Lifecycle::handle_timeout` and never fires a timer of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Input {
+    Event(Event),
+    /// A deadline from `next_deadline` may have passed. Early firings are no-ops.
+    Timer,
+}
 
 /// Per-step context: the input's time and the actions emitted so far.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Hash)]
@@ -42,7 +60,7 @@ pub(crate) enum Op {
 /// time, in order, and each is answered exactly once, so answers match the
 /// oldest outstanding action; an answer that matches nothing is ignored.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct Ledger {
+pub(crate) struct RecordBook {
     pub(crate) outstanding: VecDeque<Op>,
     /// The record may be in the store: set by a successful register, cleared by
     /// a successful withdraw or a lost lease. A failed write leaves it as it was.
@@ -51,7 +69,7 @@ pub(crate) struct Ledger {
     pub(crate) withdraw_requested: bool,
 }
 
-impl Ledger {
+impl RecordBook {
     /// Nothing in flight and nothing in the store: safe to exit.
     pub(crate) fn settled(&self) -> bool {
         self.outstanding.is_empty() && !self.maybe_present
@@ -79,10 +97,64 @@ impl Ledger {
     }
 }
 
-/// A start-up that is ending before it completed, waiting for discovery to settle.
+/// What start-up did not get done before its deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum StartupFailure {
+    /// The engine never answered its start-up calls.
+    EngineNotReady,
+    /// The engine answered, but no registration succeeded.
+    NotRegistered,
+}
+
+/// Why the worker stopped serving, or never started: what `/state` shows as
+/// the reason, and what decides the exit code.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum StopCause {
+    /// A shutdown signal while Serving.
+    Signal,
+    /// A shutdown signal before start-up completed.
+    SignalDuringStartup,
+    /// The startup deadline passed.
+    StartupFailed(StartupFailure),
+    /// The engine was lost while Serving.
+    EngineLost(LossReason),
+}
+
+impl StopCause {
+    pub(crate) fn exit_reason(&self) -> ExitReason {
+        match self {
+            StopCause::Signal | StopCause::SignalDuringStartup => ExitReason::Clean,
+            StopCause::StartupFailed(_) => ExitReason::StartupFailed,
+            StopCause::EngineLost(_) => ExitReason::EngineLost,
+        }
+    }
+
+    /// The reason as `/state` shows it; `engine` is the engine's display name.
+    pub(crate) fn describe(&self, engine: &str) -> String {
+        match self {
+            StopCause::Signal => "shutdown signal".to_string(),
+            StopCause::SignalDuringStartup => "shutdown signal during start-up".to_string(),
+            StopCause::StartupFailed(failure) => {
+                format!("startup failed: {}", failure_text(*failure, engine))
+            }
+            StopCause::EngineLost(reason) => reason.to_string(),
+        }
+    }
+}
+
+fn failure_text(failure: StartupFailure, engine: &str) -> String {
+    match failure {
+        StartupFailure::EngineNotReady => format!("the {engine} engine was not ready"),
+        StartupFailure::NotRegistered => {
+            "the worker could not be registered in discovery".to_string()
+        }
+    }
+}
+
+/// A start-up that is ending before it completed, waiting for discovery to settle.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Abort {
-    pub(crate) code: ExitCode,
+    pub(crate) cause: StopCause,
     pub(crate) deadline: Time,
 }
 
@@ -92,21 +164,15 @@ pub(crate) struct Worker {
     pub(crate) config: Config,
     pub(crate) startup_deadline: Time,
     pub(crate) identity: Option<String>,
-    pub(crate) ledger: Ledger,
+    pub(crate) book: RecordBook,
     pub(crate) retry_at: Option<Time>,
     pub(crate) watch: WatchPhase,
     pub(crate) last_fresh: Time,
     pub(crate) probe_failing: bool,
-    /// In Draining: the first engine loss seen, logged once and otherwise ignored.
-    pub(crate) loss_during_drain: Option<String>,
     pub(crate) in_flight: u64,
     pub(crate) admission: Admission,
     /// When the current state was entered.
     pub(crate) since: Time,
-    /// Why the worker is Lost, or why it exited; for `/state`.
-    pub(crate) reason: Option<String>,
-    /// The exit code decided when shutting down began (Draining: 0, Lost: 1).
-    pub(crate) shutdown_code: ExitCode,
     /// Discovery writes are failing: the first failure of a streak is warned
     /// about, the retries are not (one line per outage, not per attempt).
     pub(crate) discovery_failing: bool,
@@ -118,17 +184,14 @@ impl Worker {
             startup_deadline: now + config.startup_deadline,
             config,
             identity: None,
-            ledger: Ledger::default(),
+            book: RecordBook::default(),
             retry_at: None,
             watch: WatchPhase::AwaitingFirst,
             last_fresh: now,
             probe_failing: false,
-            loss_during_drain: None,
             in_flight: 0,
             admission: Admission::Closed,
             since: now,
-            reason: None,
-            shutdown_code: ExitCode::Clean,
             discovery_failing: false,
         }
     }
@@ -164,34 +227,24 @@ impl Worker {
     }
 
     /// Books answers to discovery writes (and a lost lease); shared by every
-    /// state. Other events pass through untouched.
-    fn book_discovery(&mut self, step: &mut Step, event: &Event) {
+    /// state. Other inputs pass through untouched.
+    fn book_discovery(&mut self, step: &mut Step, input: &Input) {
+        let Input::Event(event) = input else { return };
         match event {
             Event::Registered => {
-                if self.ledger.answer(Op::Register) {
-                    self.ledger.maybe_present = true;
+                if self.book.answer(Op::Register) {
+                    self.book.maybe_present = true;
                     self.discovery_recovered(step);
                 }
             }
             Event::RegistrationFailed { error } => {
-                if self.ledger.answer(Op::Register) && !self.ledger.withdraw_requested {
-                    if !self.discovery_failing {
-                        self.discovery_failing = true;
-                        step.log(
-                            Level::Warn,
-                            format!(
-                                "registering instance {} failed: {error}; retrying every {}",
-                                self.instance(),
-                                HumanDuration(self.config.retry_interval)
-                            ),
-                        );
-                    }
-                    self.arm_retry(step.now);
+                if self.book.answer(Op::Register) && !self.book.withdraw_requested {
+                    self.discovery_failed(step, "registering", error);
                 }
             }
             Event::Withdrawn => {
-                if self.ledger.answer(Op::Withdraw) {
-                    self.ledger.maybe_present = false;
+                if self.book.answer(Op::Withdraw) {
+                    self.book.maybe_present = false;
                     self.discovery_recovered(step);
                     step.log(
                         Level::Info,
@@ -200,23 +253,12 @@ impl Worker {
                 }
             }
             Event::WithdrawFailed { error } => {
-                if self.ledger.answer(Op::Withdraw) {
-                    if !self.discovery_failing {
-                        self.discovery_failing = true;
-                        step.log(
-                            Level::Warn,
-                            format!(
-                                "withdrawing instance {} failed: {error}; retrying every {}",
-                                self.instance(),
-                                HumanDuration(self.config.retry_interval)
-                            ),
-                        );
-                    }
-                    self.arm_retry(step.now);
+                if self.book.answer(Op::Withdraw) {
+                    self.discovery_failed(step, "withdrawing", error);
                 }
             }
             Event::RegistrationLost => {
-                self.ledger.maybe_present = false;
+                self.book.maybe_present = false;
             }
             Event::EngineReady { .. }
             | Event::Liveness(_)
@@ -224,9 +266,24 @@ impl Worker {
             | Event::ProbeFailed { .. }
             | Event::IdentityObserved { .. }
             | Event::ShutdownSignal
-            | Event::InFlightChanged { .. }
-            | Event::TimerFired => {}
+            | Event::InFlightChanged { .. } => {}
         }
+    }
+
+    /// A discovery write failed: warn at the start of a streak, retry later.
+    fn discovery_failed(&mut self, step: &mut Step, what: &str, error: &str) {
+        if !self.discovery_failing {
+            self.discovery_failing = true;
+            step.log(
+                Level::Warn,
+                format!(
+                    "{what} instance {} failed: {error}; retrying every {}",
+                    self.instance(),
+                    HumanDuration(self.config.retry_interval)
+                ),
+            );
+        }
+        self.arm_retry(step.now);
     }
 
     /// A discovery write succeeded after failures: say so once.
@@ -239,17 +296,31 @@ impl Worker {
 
     /// While shutting down: re-sends a withdraw whose earlier attempt failed.
     fn retry_withdraw_if_due(&mut self, step: &mut Step) {
-        if self.retry_due(step.now)
-            && self.ledger.outstanding.is_empty()
-            && self.ledger.maybe_present
-        {
-            self.ledger.request(Op::Withdraw, step);
+        if self.retry_due(step.now) && self.book.outstanding.is_empty() && self.book.maybe_present {
+            self.book.request(Op::Withdraw, step);
+        }
+    }
+
+    /// While shutting down: a register landed after the withdraw was sent (it
+    /// was in flight when shutting down began), so withdraw again.
+    fn withdraw_again_if_registered(&mut self, step: &mut Step) {
+        if self.book.maybe_present && self.book.outstanding.is_empty() && self.retry_at.is_none() {
+            self.book.request(Op::Withdraw, step);
         }
     }
 
     /// Applies a liveness, probe or identity input while the engine is watched.
     /// Returns the loss reason if the input means the engine is lost.
-    fn observe_engine(&mut self, step: &mut Step, event: &Event) -> Option<String> {
+    fn observe_engine(&mut self, step: &mut Step, input: &Input) -> Option<LossReason> {
+        let event = match input {
+            Input::Timer => {
+                let stale_at = self.last_fresh + self.config.stale_after;
+                return (stale_at <= step.now).then(|| LossReason::StaleLoad {
+                    stale_for: step.now - self.last_fresh,
+                });
+            }
+            Input::Event(event) => event,
+        };
         match event {
             Event::Liveness(observation) => {
                 let (phase, verdict) =
@@ -257,11 +328,8 @@ impl Worker {
                 self.watch = phase;
                 match verdict {
                     Verdict::Healthy => None,
-                    Verdict::Warn(line) => {
-                        step.log(Level::Warn, line);
-                        None
-                    }
-                    Verdict::Unsupported {
+                    Verdict::Warn(line)
+                    | Verdict::Unsupported {
                         warning: Some(line),
                     } => {
                         step.log(Level::Warn, line);
@@ -305,20 +373,12 @@ impl Worker {
                 None
             }
             Event::IdentityObserved { identity } => match &self.identity {
-                Some(old) if old != identity => {
-                    Some(format!("new engine identity {old} -> {identity}"))
-                }
+                Some(old) if old != identity => Some(LossReason::IdentityChanged {
+                    old: old.clone(),
+                    new: identity.clone(),
+                }),
                 Some(_) | None => None,
             },
-            Event::TimerFired => {
-                let stale_at = self.last_fresh + self.config.stale_after;
-                (stale_at <= step.now).then(|| {
-                    format!(
-                        "routing load stale for {}",
-                        HumanDuration(step.now - self.last_fresh)
-                    )
-                })
-            }
             Event::EngineReady { .. }
             | Event::Registered
             | Event::RegistrationFailed { .. }
@@ -329,12 +389,62 @@ impl Worker {
             | Event::InFlightChanged { .. } => None,
         }
     }
+
+    /// What Draining and Lost share: book discovery answers and the in-flight
+    /// count, retry the withdrawal, and decide whether the drain is over (the
+    /// drain deadline, or admission closed with nothing in flight and discovery
+    /// settled). True means: exit now.
+    fn drain_step(&mut self, step: &mut Step, drain_deadline: Time, input: &Input) -> bool {
+        let now = step.now;
+        self.book_discovery(step, input);
+        match input {
+            Input::Event(Event::InFlightChanged { count }) => self.in_flight = *count,
+            Input::Timer => self.retry_withdraw_if_due(step),
+            Input::Event(
+                Event::EngineReady { .. }
+                | Event::Registered
+                | Event::RegistrationFailed { .. }
+                | Event::RegistrationLost
+                | Event::Withdrawn
+                | Event::WithdrawFailed { .. }
+                | Event::Liveness(_)
+                | Event::ProbeSucceeded
+                | Event::ProbeFailed { .. }
+                | Event::IdentityObserved { .. }
+                | Event::ShutdownSignal,
+            ) => {}
+        }
+        self.withdraw_again_if_registered(step);
+        if drain_deadline <= now {
+            if self.in_flight > 0 {
+                step.log(
+                    Level::Warn,
+                    format!(
+                        "drain deadline reached with {} calls in flight; cancelling them",
+                        self.in_flight
+                    ),
+                );
+                step.emit(Action::CancelInFlight);
+            }
+            if !self.book.settled() {
+                step.log(
+                    Level::Warn,
+                    format!(
+                        "drain deadline reached before discovery confirmed the withdrawal of \
+                         instance {}",
+                        self.instance()
+                    ),
+                );
+            }
+            return true;
+        }
+        self.admission == Admission::Closed && self.in_flight == 0 && self.book.settled()
+    }
 }
 
 #[state_machine(
     initial = "State::starting(None)",
-    state(derive(Debug, Clone, PartialEq, Eq, Hash)),
-    superstate(derive(Debug))
+    state(derive(Debug, Clone, PartialEq, Eq, Hash))
 )]
 impl Worker {
     /// Waiting for the engine, then for the first registration. With `abort`
@@ -344,54 +454,42 @@ impl Worker {
         &mut self,
         context: &mut Step,
         abort: &mut Option<Abort>,
-        event: &Event,
+        event: &Input,
     ) -> Outcome<State> {
         let now = context.now;
         self.book_discovery(context, event);
         if let Some(a) = abort {
-            let code = a.code;
-            return match event {
-                Event::TimerFired if a.deadline <= now => {
+            return self.settle_aborted_startup(context, a, event);
+        }
+        let happened = match event {
+            Input::Timer => {
+                if self.startup_deadline <= now {
+                    let failure = if self.identity.is_none() {
+                        StartupFailure::EngineNotReady
+                    } else {
+                        StartupFailure::NotRegistered
+                    };
                     context.log(
-                        Level::Warn,
+                        Level::Error,
                         format!(
-                            "discovery did not confirm the withdrawal of instance {} in time; \
-                             exiting anyway",
-                            self.instance()
+                            "startup deadline of {} passed: {}",
+                            HumanDuration(self.config.startup_deadline),
+                            failure_text(failure, self.engine())
                         ),
                     );
-                    Transition(State::exited(code))
+                    return self.begin_abort(context, abort, StopCause::StartupFailed(failure));
                 }
-                Event::TimerFired
-                | Event::Registered
-                | Event::RegistrationFailed { .. }
-                | Event::Withdrawn
-                | Event::WithdrawFailed { .. }
-                | Event::RegistrationLost => {
-                    self.retry_withdraw_if_due(context);
-                    if self.ledger.maybe_present
-                        && self.ledger.outstanding.is_empty()
-                        && self.retry_at.is_none()
-                    {
-                        // A register landed after the withdraw was sent: withdraw again.
-                        self.ledger.request(Op::Withdraw, context);
-                    }
-                    if self.ledger.settled() {
-                        Transition(State::exited(code))
-                    } else {
-                        Handled
-                    }
+                if self.retry_due(now)
+                    && self.identity.is_some()
+                    && self.book.outstanding.is_empty()
+                {
+                    self.book.request(Op::Register, context);
                 }
-                Event::EngineReady { .. }
-                | Event::Liveness(_)
-                | Event::ProbeSucceeded
-                | Event::ProbeFailed { .. }
-                | Event::IdentityObserved { .. }
-                | Event::ShutdownSignal
-                | Event::InFlightChanged { .. } => Handled,
-            };
-        }
-        match event {
+                return Handled;
+            }
+            Input::Event(happened) => happened,
+        };
+        match happened {
             Event::EngineReady { identity } => {
                 if self.identity.is_none() {
                     self.identity = Some(identity.clone());
@@ -403,51 +501,25 @@ impl Worker {
                             self.instance()
                         ),
                     );
-                    if self.ledger.outstanding.is_empty() {
-                        self.ledger.request(Op::Register, context);
+                    if self.book.outstanding.is_empty() {
+                        self.book.request(Op::Register, context);
                     }
                 }
                 Handled
             }
             Event::Registered => {
-                if self.ledger.maybe_present {
+                if self.book.maybe_present {
                     Transition(State::serving())
                 } else {
                     Handled
                 }
-            }
-            Event::TimerFired => {
-                if self.startup_deadline <= now {
-                    let what = if self.identity.is_none() {
-                        format!("the {} engine was not ready", self.engine())
-                    } else {
-                        "the worker could not be registered in discovery".to_string()
-                    };
-                    context.log(
-                        Level::Error,
-                        format!(
-                            "startup deadline of {} passed: {what}",
-                            HumanDuration(self.config.startup_deadline)
-                        ),
-                    );
-                    self.reason = Some(format!("startup failed: {what}"));
-                    return self.begin_abort(context, abort, ExitCode::StartupFailed);
-                }
-                if self.retry_due(now)
-                    && self.identity.is_some()
-                    && self.ledger.outstanding.is_empty()
-                {
-                    self.ledger.request(Op::Register, context);
-                }
-                Handled
             }
             Event::ShutdownSignal => {
                 context.log(
                     Level::Info,
                     "shutdown signal before start-up completed; nothing was served".to_string(),
                 );
-                self.reason = Some("shutdown signal during start-up".to_string());
-                self.begin_abort(context, abort, ExitCode::Clean)
+                self.begin_abort(context, abort, StopCause::SignalDuringStartup)
             }
             Event::InFlightChanged { count } => {
                 self.in_flight = *count;
@@ -466,13 +538,25 @@ impl Worker {
 
     /// Registered, admitting calls, watching the engine.
     #[state(entry_action = "enter_serving", exit_action = "exit_serving")]
-    fn serving(&mut self, context: &mut Step, event: &Event) -> Outcome<State> {
+    fn serving(&mut self, context: &mut Step, event: &Input) -> Outcome<State> {
         let now = context.now;
         self.book_discovery(context, event);
         if let Some(reason) = self.observe_engine(context, event) {
             return Transition(State::lost(reason, now + self.config.drain_timeout));
         }
-        match event {
+        let happened = match event {
+            Input::Timer => {
+                if self.retry_due(now)
+                    && !self.book.maybe_present
+                    && self.book.outstanding.is_empty()
+                {
+                    self.book.request(Op::Register, context);
+                }
+                return Handled;
+            }
+            Input::Event(happened) => happened,
+        };
+        match happened {
             Event::Registered => Handled,
             Event::RegistrationLost => {
                 context.log(
@@ -482,23 +566,18 @@ impl Worker {
                         self.instance()
                     ),
                 );
-                if !self.ledger.outstanding.contains(&Op::Register) {
-                    self.ledger.request(Op::Register, context);
-                }
-                Handled
-            }
-            Event::TimerFired => {
-                if self.retry_due(now)
-                    && !self.ledger.maybe_present
-                    && self.ledger.outstanding.is_empty()
-                {
-                    self.ledger.request(Op::Register, context);
+                if !self.book.outstanding.contains(&Op::Register) {
+                    self.book.request(Op::Register, context);
                 }
                 Handled
             }
             Event::ShutdownSignal => {
                 let closes = now + self.config.router_grace;
-                Transition(State::draining(closes, closes + self.config.drain_timeout))
+                Transition(State::draining(
+                    closes,
+                    closes + self.config.drain_timeout,
+                    false,
+                ))
             }
             Event::InFlightChanged { count } => {
                 self.in_flight = *count;
@@ -515,19 +594,20 @@ impl Worker {
         }
     }
 
-    /// After a shutdown signal: withdrawn, admitting during the router grace, then draining.
-    #[state(superstate = "shutting_down", entry_action = "enter_draining")]
+    /// After a shutdown signal: withdrawn, admitting during the router grace,
+    /// then draining. `engine_lost`: a loss was seen (and logged) during the
+    /// drain; the monitors' later news is ignored and the exit code stays 0.
+    #[state(entry_action = "enter_draining")]
     fn draining(
         &mut self,
         context: &mut Step,
         admission_closes_at: &Time,
         drain_deadline: &Time,
-        event: &Event,
+        engine_lost: &mut bool,
+        event: &Input,
     ) -> Outcome<State> {
         let now = context.now;
-        if self.loss_during_drain.is_none()
-            && let Some(reason) = self.observe_engine(context, event)
-        {
+        if !*engine_lost && let Some(reason) = self.observe_engine(context, event) {
             context.log(
                 Level::Warn,
                 format!(
@@ -536,12 +616,10 @@ impl Worker {
                     self.instance()
                 ),
             );
-            self.loss_during_drain = Some(reason);
+            *engine_lost = true;
         }
         match event {
-            Event::TimerFired
-                if *admission_closes_at <= now && self.admission == Admission::Open =>
-            {
+            Input::Timer if *admission_closes_at <= now && self.admission == Admission::Open => {
                 self.set_admission(Admission::Closed, context);
                 context.log(
                     Level::Info,
@@ -551,130 +629,80 @@ impl Worker {
                         HumanDuration(*drain_deadline - now)
                     ),
                 );
-                Super
             }
-            Event::ShutdownSignal => {
+            Input::Event(Event::ShutdownSignal) => {
                 context.log(
                     Level::Info,
                     "another shutdown signal; already draining, deadlines unchanged".to_string(),
                 );
-                Handled
+                return Handled;
             }
-            Event::TimerFired
-            | Event::EngineReady { .. }
-            | Event::Registered
-            | Event::RegistrationFailed { .. }
-            | Event::RegistrationLost
-            | Event::Withdrawn
-            | Event::WithdrawFailed { .. }
-            | Event::Liveness(_)
-            | Event::ProbeSucceeded
-            | Event::ProbeFailed { .. }
-            | Event::IdentityObserved { .. }
-            | Event::InFlightChanged { .. } => Super,
+            Input::Timer
+            | Input::Event(
+                Event::EngineReady { .. }
+                | Event::Registered
+                | Event::RegistrationFailed { .. }
+                | Event::RegistrationLost
+                | Event::Withdrawn
+                | Event::WithdrawFailed { .. }
+                | Event::Liveness(_)
+                | Event::ProbeSucceeded
+                | Event::ProbeFailed { .. }
+                | Event::IdentityObserved { .. }
+                | Event::InFlightChanged { .. },
+            ) => {}
+        }
+        if self.drain_step(context, *drain_deadline, event) {
+            Transition(State::exited(StopCause::Signal))
+        } else {
+            Handled
         }
     }
 
     /// After an engine loss while Serving: withdrawn, admission closed, draining.
-    #[state(superstate = "shutting_down", entry_action = "enter_lost")]
+    #[state(entry_action = "enter_lost")]
     fn lost(
         &mut self,
         context: &mut Step,
-        reason: &String,
+        reason: &LossReason,
         drain_deadline: &Time,
-        event: &Event,
+        event: &Input,
     ) -> Outcome<State> {
-        let _ = (reason, drain_deadline);
         match event {
-            Event::ShutdownSignal => {
+            Input::Event(Event::ShutdownSignal) => {
                 context.log(
                     Level::Info,
                     "shutdown signal while draining after engine loss; exit code stays 1"
                         .to_string(),
                 );
-                Handled
+                return Handled;
             }
-            Event::TimerFired
-            | Event::EngineReady { .. }
-            | Event::Registered
-            | Event::RegistrationFailed { .. }
-            | Event::RegistrationLost
-            | Event::Withdrawn
-            | Event::WithdrawFailed { .. }
-            | Event::Liveness(_)
-            | Event::ProbeSucceeded
-            | Event::ProbeFailed { .. }
-            | Event::IdentityObserved { .. }
-            | Event::InFlightChanged { .. } => Super,
+            Input::Timer
+            | Input::Event(
+                Event::EngineReady { .. }
+                | Event::Registered
+                | Event::RegistrationFailed { .. }
+                | Event::RegistrationLost
+                | Event::Withdrawn
+                | Event::WithdrawFailed { .. }
+                | Event::Liveness(_)
+                | Event::ProbeSucceeded
+                | Event::ProbeFailed { .. }
+                | Event::IdentityObserved { .. }
+                | Event::InFlightChanged { .. },
+            ) => {}
+        }
+        if self.drain_step(context, *drain_deadline, event) {
+            Transition(State::exited(StopCause::EngineLost(reason.clone())))
+        } else {
+            Handled
         }
     }
 
-    /// Shared by Draining and Lost: wait for discovery and in-flight calls, bounded
-    /// by the drain deadline.
-    #[superstate]
-    fn shutting_down(
-        &mut self,
-        context: &mut Step,
-        drain_deadline: &Time,
-        event: &Event,
-    ) -> Outcome<State> {
-        let now = context.now;
-        self.book_discovery(context, event);
-        match event {
-            Event::InFlightChanged { count } => self.in_flight = *count,
-            Event::TimerFired => self.retry_withdraw_if_due(context),
-            Event::EngineReady { .. }
-            | Event::Registered
-            | Event::RegistrationFailed { .. }
-            | Event::RegistrationLost
-            | Event::Withdrawn
-            | Event::WithdrawFailed { .. }
-            | Event::Liveness(_)
-            | Event::ProbeSucceeded
-            | Event::ProbeFailed { .. }
-            | Event::IdentityObserved { .. }
-            | Event::ShutdownSignal => {}
-        }
-        if self.ledger.maybe_present
-            && self.ledger.outstanding.is_empty()
-            && self.retry_at.is_none()
-        {
-            // A re-registration landed after our withdraw was sent: withdraw again.
-            self.ledger.request(Op::Withdraw, context);
-        }
-        if *drain_deadline <= now {
-            if self.in_flight > 0 {
-                context.log(
-                    Level::Warn,
-                    format!(
-                        "drain deadline reached with {} calls in flight; cancelling them",
-                        self.in_flight
-                    ),
-                );
-                context.emit(Action::CancelInFlight);
-            }
-            if !self.ledger.settled() {
-                context.log(
-                    Level::Warn,
-                    format!(
-                        "drain deadline reached before discovery confirmed the withdrawal of \
-                         instance {}",
-                        self.instance()
-                    ),
-                );
-            }
-            return Transition(State::exited(self.shutdown_code));
-        }
-        if self.admission == Admission::Closed && self.in_flight == 0 && self.ledger.settled() {
-            return Transition(State::exited(self.shutdown_code));
-        }
-        Handled
-    }
-
-    /// The end. Absorbs every event.
+    /// The end. Absorbs every input.
     #[state(entry_action = "enter_exited")]
-    fn exited(code: &ExitCode, event: &Event) -> Outcome<State> {
-        let _ = (code, event);
+    fn exited(cause: &StopCause, event: &Input) -> Outcome<State> {
+        let _ = (cause, event);
         Handled
     }
 
@@ -709,8 +737,6 @@ impl Worker {
         let now = context.now;
         self.since = now;
         self.retry_at = None;
-        self.reason = Some("shutdown signal".to_string());
-        self.shutdown_code = ExitCode::Clean;
         context.log(
             Level::Info,
             format!(
@@ -721,16 +747,14 @@ impl Worker {
                 HumanDuration(*drain_deadline - *admission_closes_at)
             ),
         );
-        self.ledger.request(Op::Withdraw, context);
+        self.book.request(Op::Withdraw, context);
     }
 
     #[action]
-    fn enter_lost(&mut self, context: &mut Step, reason: &String, drain_deadline: &Time) {
+    fn enter_lost(&mut self, context: &mut Step, reason: &LossReason, drain_deadline: &Time) {
         let now = context.now;
         self.since = now;
         self.retry_at = None;
-        self.reason = Some(reason.clone());
-        self.shutdown_code = ExitCode::EngineLost;
         context.log(
             Level::Error,
             format!(
@@ -739,7 +763,7 @@ impl Worker {
                 self.instance()
             ),
         );
-        self.ledger.request(Op::Withdraw, context);
+        self.book.request(Op::Withdraw, context);
         self.set_admission(Admission::Closed, context);
         context.emit(Action::StopMonitors);
         context.log(
@@ -753,17 +777,18 @@ impl Worker {
     }
 
     #[action]
-    fn enter_exited(&mut self, context: &mut Step, code: &ExitCode) {
+    fn enter_exited(&mut self, context: &mut Step, cause: &StopCause) {
         self.since = context.now;
         self.retry_at = None;
         self.set_admission(Admission::Closed, context);
+        let code = cause.exit_reason();
         let meaning = match code {
-            ExitCode::Clean => "clean shutdown",
-            ExitCode::EngineLost => "engine lost; the supervisor should restart this worker",
-            ExitCode::StartupFailed => "start-up failed",
+            ExitReason::Clean => "clean shutdown",
+            ExitReason::EngineLost => "engine lost; the supervisor should restart this worker",
+            ExitReason::StartupFailed => "start-up failed",
         };
         context.log(Level::Info, format!("exiting {}: {meaning}", code.as_i32()));
-        context.emit(Action::Exit(*code));
+        context.emit(Action::Exit(code));
     }
 }
 
@@ -774,18 +799,66 @@ impl Worker {
         &mut self,
         context: &mut Step,
         abort: &mut Option<Abort>,
-        code: ExitCode,
+        cause: StopCause,
     ) -> Outcome<State> {
-        if self.ledger.settled() {
-            return Transition(State::exited(code));
+        if self.book.settled() {
+            return Transition(State::exited(cause));
         }
         *abort = Some(Abort {
-            code,
+            cause,
             deadline: context.now + self.config.drain_timeout,
         });
         self.retry_at = None;
-        self.ledger.request(Op::Withdraw, context);
+        self.book.request(Op::Withdraw, context);
         Handled
+    }
+
+    /// A start-up that ended early: withdraw what a late register may have
+    /// written, exit once discovery settled or its deadline passed.
+    fn settle_aborted_startup(
+        &mut self,
+        context: &mut Step,
+        abort: &Abort,
+        input: &Input,
+    ) -> Outcome<State> {
+        match input {
+            Input::Timer if abort.deadline <= context.now => {
+                context.log(
+                    Level::Warn,
+                    format!(
+                        "discovery did not confirm the withdrawal of instance {} in time; \
+                         exiting anyway",
+                        self.instance()
+                    ),
+                );
+                Transition(State::exited(abort.cause.clone()))
+            }
+            Input::Timer
+            | Input::Event(
+                Event::Registered
+                | Event::RegistrationFailed { .. }
+                | Event::Withdrawn
+                | Event::WithdrawFailed { .. }
+                | Event::RegistrationLost,
+            ) => {
+                self.retry_withdraw_if_due(context);
+                self.withdraw_again_if_registered(context);
+                if self.book.settled() {
+                    Transition(State::exited(abort.cause.clone()))
+                } else {
+                    Handled
+                }
+            }
+            Input::Event(
+                Event::EngineReady { .. }
+                | Event::Liveness(_)
+                | Event::ProbeSucceeded
+                | Event::ProbeFailed { .. }
+                | Event::IdentityObserved { .. }
+                | Event::ShutdownSignal
+                | Event::InFlightChanged { .. },
+            ) => Handled,
+        }
     }
 }
 
@@ -811,11 +884,12 @@ pub(crate) fn next_deadline(worker: &Worker, state: &State) -> Option<(Time, &'s
         State::Draining {
             admission_closes_at,
             drain_deadline,
+            engine_lost,
         } => {
             if worker.admission == Admission::Open {
                 candidates.push((*admission_closes_at, "router grace"));
             }
-            if worker.loss_during_drain.is_none() {
+            if !*engine_lost {
                 candidates.push((
                     worker.last_fresh + worker.config.stale_after,
                     "stale-load window",

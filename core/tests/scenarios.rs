@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use llm_sidecar_core::{
-    Action, Admission, Config, Event, ExitCode, Health, Level, Lifecycle, LivenessObservation,
+    Action, Admission, Config, Event, ExitReason, Health, Level, Lifecycle, LivenessObservation,
     Phase, Time,
 };
 
@@ -120,7 +120,7 @@ fn liveness_not_serving_withdraws_at_once_and_exits_1_after_the_withdrawal() {
     );
     assert_eq!(d.lc.phase(), Phase::Lost);
     let a = d.feed(secs(2), Event::Withdrawn);
-    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::EngineLost)]);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::EngineLost)]);
 }
 
 #[test]
@@ -136,7 +136,7 @@ fn lost_waits_for_in_flight_calls_then_cancels_them_at_the_drain_deadline() {
     let a = d.tick(secs(23));
     assert_eq!(
         without_logs(&a),
-        vec![Action::CancelInFlight, Action::Exit(ExitCode::EngineLost)]
+        vec![Action::CancelInFlight, Action::Exit(ExitReason::EngineLost)]
     );
 }
 
@@ -159,7 +159,7 @@ fn sigterm_withdraws_keeps_admitting_for_the_grace_then_drains_and_exits_0() {
         vec![Action::SetAdmission(Admission::Closed)]
     );
     let a = d.feed(secs(16), Event::InFlightChanged { count: 0 });
-    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::Clean)]);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::Clean)]);
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn a_loss_during_the_drain_is_a_warning_and_the_exit_code_stays_0() {
         without_logs(&a),
         vec![
             Action::SetAdmission(Admission::Closed),
-            Action::Exit(ExitCode::Clean)
+            Action::Exit(ExitReason::Clean)
         ]
     );
 }
@@ -190,7 +190,7 @@ fn a_loss_during_the_drain_is_a_warning_and_the_exit_code_stays_0() {
 fn shutdown_before_the_engine_is_ready_exits_0_with_nothing_registered() {
     let mut d = Driver::new();
     let a = d.feed(secs(1), Event::ShutdownSignal);
-    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::Clean)]);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::Clean)]);
 }
 
 #[test]
@@ -206,7 +206,7 @@ fn shutdown_while_the_first_register_is_in_flight_withdraws_before_exiting() {
     assert_eq!(without_logs(&a), vec![Action::Withdraw]);
     assert!(without_logs(&d.feed(secs(1), Event::Registered)).is_empty());
     let a = d.feed(secs(1), Event::Withdrawn);
-    assert_eq!(without_logs(&a), vec![Action::Exit(ExitCode::Clean)]);
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::Clean)]);
 }
 
 #[test]
@@ -220,7 +220,7 @@ fn startup_deadline_exits_3() {
     );
     assert_eq!(
         without_logs(&a),
-        vec![Action::Exit(ExitCode::StartupFailed)]
+        vec![Action::Exit(ExitReason::StartupFailed)]
     );
 }
 

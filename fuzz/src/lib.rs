@@ -68,8 +68,8 @@ pub fn lifecycle(data: &[u8]) {
 /// durations, `host:port`, discovery key segments and discovery URIs. Nothing
 /// panics; a URI that parses prints back to itself.
 pub fn config_text(data: &[u8]) {
-    use llm_sidecar_io::config::{parse_duration, parse_host_port, parse_key_segment};
     use llm_sidecar_io::discovery::DiscoveryUri;
+    use llm_sidecar_io::parse::{parse_duration, parse_host_port, parse_key_segment};
     let text = String::from_utf8_lossy(data);
     let _ = parse_duration(&text);
     let _ = parse_host_port("--engine-endpoint", &text);
@@ -97,7 +97,7 @@ pub fn discovery_record(data: &[u8]) {
 /// An admin or control request target (`/path?query`): split and decoded
 /// without panicking; a query built from encoded pairs decodes to those pairs.
 pub fn admin_request(data: &[u8]) {
-    use llm_sidecar_io::admin_http::Request;
+    use llm_sidecar_io::admin::http::Request;
     let text = String::from_utf8_lossy(data);
     let request = Request::from_target("GET", &text);
     let _ = request.param("status");

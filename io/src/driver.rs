@@ -1,31 +1,43 @@
 //! The driver: one loop that feeds the core and carries out what it decides.
 //!
-//! Shape (quinn's ConnectionDriver): wait for the next input or the next
-//! deadline, feed it to the [`Lifecycle`], perform every action in order, re-arm
-//! the one timer, repeat, until the core says exit.
+//! Shape (quinn's `ConnectionDriver`): perform the core's actions in order,
+//! wait for the next input or the next deadline, feed it to the [`Lifecycle`],
+//! repeat, until the core says exit; then shut down with a bound.
+//!
+//! ```text
+//! loop {
+//!     if let Some(code) = driver.perform_actions() { return driver.shutdown(code) }
+//!     let input = driver.next_input().await;
+//!     driver.step(input);
+//! }
+//! ```
+//!
+//! The tasks it starts (the admin server, the request plane, the engine's
+//! start-up wait, the discovery worker, the monitors) report to it through
+//! channels and decide nothing about the lifecycle.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::SystemTime;
 
 use llm_sidecar_core::{
-    Action, Admission, Config as CoreConfig, Event, ExitCode, Level, Lifecycle,
-    LivenessObservation, Phase, Time,
+    Action, Admission, Config as CoreConfig, Event, ExitReason, Health, Level, Lifecycle, Time,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::transport::Channel;
 
-use crate::admin_http::{self, Handler, Request, Response};
+use crate::admin::{self, status::Shared};
 use crate::config::RunConfig;
+use crate::discovery::worker::DiscoveryOp;
 use crate::discovery::{
-    Discovery, DiscoveryError, DiscoveryUri, EngineRecord, EtcdDiscovery, FileDiscovery, Record,
+    Discovery, DiscoveryUri, EngineRecord, EtcdDiscovery, FileDiscovery, Record,
 };
-use crate::engine::{self, EngineInfo, EngineProfile};
-use crate::monitors;
-use crate::own_health::OwnHealth;
-use crate::proxy::{self, Plane, ProxyMetrics};
-use crate::status::{Shared, loss_kind};
+use crate::engine::startup::EngineReady;
+use crate::engine::{self, EngineInfo};
+use crate::exit_bounds::CONNECTIONS_CLOSE;
+use crate::request_plane::{self, OwnHealth, Plane};
 
 /// Why `run` could not start. The process exits 2: nothing was contacted.
 #[derive(Debug, thiserror::Error)]
@@ -51,23 +63,21 @@ pub enum RunError {
     },
 }
 
-/// The engine answered its start-up calls; its connection is handed over.
-type EngineReady = (EngineInfo, Channel);
-
-enum DiscoveryOp {
-    Register(Box<Record>),
-    Withdraw,
-}
-
-/// Runs the sidecar until the core decides to exit; returns the exit code.
+/// Runs the sidecar until the core decides to exit; returns the exit reason.
 ///
 /// `shutdown` delivers one item per SIGTERM/SIGINT (tests send their own).
 pub async fn run(
     config: RunConfig,
     shutdown: mpsc::UnboundedReceiver<()>,
-) -> Result<ExitCode, RunError> {
+) -> Result<ExitReason, RunError> {
     match config.discovery.clone() {
-        DiscoveryUri::File(dir) => drive(config, Arc::new(FileDiscovery::new(dir)), shutdown).await,
+        DiscoveryUri::File(dir) => {
+            let discovery = Arc::new(FileDiscovery::new(dir));
+            Ok(Driver::start(config, discovery, shutdown)
+                .await?
+                .drive()
+                .await)
+        }
         DiscoveryUri::Etcd(endpoints) => {
             let etcd = EtcdDiscovery::new(
                 endpoints,
@@ -79,8 +89,394 @@ pub async fn run(
                 uri: config.discovery.to_string(),
                 message: e.to_string(),
             })?;
-            drive(config, Arc::new(etcd), shutdown).await
+            Ok(Driver::start(config, Arc::new(etcd), shutdown)
+                .await?
+                .drive()
+                .await)
         }
+    }
+}
+
+/// One input for the core, as the driver received it.
+enum Input {
+    /// The engine answered its start-up calls.
+    EngineReady(EngineReady),
+    /// A monitor or the discovery worker reported something.
+    Event(Event),
+    /// Discovery dropped the record on its own (an etcd lease expired).
+    RegistrationLost,
+    /// SIGTERM or SIGINT.
+    Signal,
+    /// The signal source is gone; no more signals will come.
+    SignalsClosed,
+    /// The last call left a closed gate.
+    Drained,
+    /// The core's deadline passed.
+    Timeout,
+}
+
+/// Where the driver's inputs come from.
+struct Inputs {
+    ready: mpsc::Receiver<EngineReady>,
+    events: mpsc::Receiver<Event>,
+    lost: mpsc::UnboundedReceiver<()>,
+    /// `None` once the signal source has closed.
+    shutdown: Option<mpsc::UnboundedReceiver<()>>,
+}
+
+/// The core's clock: `Time` is the monotonic time since the driver started,
+/// and the same origin on the wall clock places deadlines for `/state`.
+struct Clock {
+    origin: tokio::time::Instant,
+    wall_origin: SystemTime,
+}
+
+impl Clock {
+    fn now(&self) -> Time {
+        Time::from(self.origin.elapsed())
+    }
+}
+
+/// Everything the loop owns between two inputs.
+struct Driver {
+    config: RunConfig,
+    lifecycle: Lifecycle,
+    clock: Clock,
+    instance_hex: String,
+    plane: Arc<Plane>,
+    own_health: OwnHealth,
+    status: Shared,
+    /// The engine's self-description and connection, once it answered.
+    engine: Option<EngineReady>,
+    /// Cancels the running monitors.
+    monitors: Option<CancellationToken>,
+    /// Cancels every task the driver started.
+    root: CancellationToken,
+    /// The request plane's connection tasks, waited for at exit.
+    connections: TaskTracker,
+    inputs: Inputs,
+    /// Monitors report here (the other end is `inputs.events`).
+    events: mpsc::Sender<Event>,
+    discovery_ops: mpsc::UnboundedSender<DiscoveryOp>,
+}
+
+impl Driver {
+    /// Binds the listeners and starts every task; nothing is decided yet.
+    async fn start<D: Discovery>(
+        config: RunConfig,
+        discovery: Arc<D>,
+        shutdown: mpsc::UnboundedReceiver<()>,
+    ) -> Result<Driver, RunError> {
+        let admin_listener = crate::net::bind("admin", config.admin_listen).await?;
+        let listener = crate::net::bind("request plane", config.listen).await?;
+        let engine_endpoint =
+            engine::endpoint(&config.engine_endpoint, config.timings.engine_channel()).map_err(
+                |e| RunError::Engine {
+                    address: config.engine_endpoint.clone(),
+                    message: e.to_string(),
+                },
+            )?;
+        let own_health = OwnHealth::new(config.engine.service_name());
+        let plane = Arc::new(Plane::new(
+            engine_endpoint.connect_lazy(),
+            &own_health,
+            config.engine.health_rpc_path(),
+            config.limits,
+        ));
+        let instance_id = new_instance_id();
+        let instance_hex = format!("{instance_id:x}");
+        let clock = Clock {
+            origin: tokio::time::Instant::now(),
+            wall_origin: SystemTime::now(),
+        };
+        let lifecycle = Lifecycle::new(core_config(&config, instance_id), clock.now());
+
+        let root = CancellationToken::new();
+        let status = Shared::default();
+        status.update(|s| {
+            s.live = true;
+            s.instance_id = instance_hex.clone();
+        });
+        tokio::spawn(admin::http::serve(
+            admin_listener,
+            admin::routes::handler(status.clone(), plane.clone()),
+            root.child_token(),
+        ));
+        let connections = TaskTracker::new();
+        tokio::spawn(request_plane::serve(
+            listener,
+            config.tls.clone(),
+            plane.clone(),
+            root.child_token(),
+            connections.clone(),
+        ));
+
+        let (ready_tx, ready) = mpsc::channel(1);
+        let (events_tx, events) = mpsc::channel(256);
+        let (lost_tx, lost) = mpsc::unbounded_channel();
+        let (ops_tx, ops_rx) = mpsc::unbounded_channel();
+        tokio::spawn(engine::startup::wait_for_engine(
+            config.engine,
+            config.engine_endpoint.clone(),
+            engine_endpoint,
+            config.timings.connect_attempt_timeout,
+            config.timings.retry_interval,
+            ready_tx,
+            root.child_token(),
+        ));
+        let written = {
+            let status = status.clone();
+            move |location| status.update(|s| s.record_location = Some(location))
+        };
+        tokio::spawn(crate::discovery::worker::run(
+            discovery,
+            ops_rx,
+            events_tx.clone(),
+            lost_tx,
+            config.timings.connect_attempt_timeout,
+            written,
+        ));
+        tracing::info!(
+            engine = %config.engine_endpoint,
+            discovery = %config.discovery,
+            admin = %config.admin_listen,
+            request_plane = match &config.tls {
+                None => "h2 plaintext",
+                Some(t) if t.mutual => "h2 over TLS, client certificates required",
+                Some(_) => "h2 over TLS",
+            },
+            "llm-sidecar starting: instance {instance_hex}, waiting for the {} engine at {}",
+            config.engine.display_name(),
+            config.engine_endpoint,
+        );
+        Ok(Driver {
+            config,
+            lifecycle,
+            clock,
+            instance_hex,
+            plane,
+            own_health,
+            status,
+            engine: None,
+            monitors: None,
+            root,
+            connections,
+            inputs: Inputs {
+                ready,
+                events,
+                lost,
+                shutdown: Some(shutdown),
+            },
+            events: events_tx,
+            discovery_ops: ops_tx,
+        })
+    }
+
+    /// The loop: perform, wait, feed; until the core says exit.
+    async fn drive(mut self) -> ExitReason {
+        loop {
+            if let Some(code) = self.perform_actions() {
+                return self.shutdown(code).await;
+            }
+            let input = self.next_input().await;
+            self.step(input);
+        }
+    }
+
+    /// Performs every pending action, in order. Returns the exit reason when
+    /// the core decided to exit (always its last action).
+    fn perform_actions(&mut self) -> Option<ExitReason> {
+        while let Some(action) = self.lifecycle.poll_action() {
+            match action {
+                Action::Register => self.register(),
+                Action::Withdraw => {
+                    let _ = self.discovery_ops.send(DiscoveryOp::Withdraw);
+                }
+                Action::SetAdmission(Admission::Open) => self.plane.gate.open(),
+                Action::SetAdmission(Admission::Closed) => {
+                    if self.plane.gate.close().drained {
+                        self.plane.drained.notify_one();
+                    }
+                }
+                Action::SetHealth(health) => {
+                    let serving = health == Health::Serving;
+                    self.plane.serving.store(serving, Ordering::Release);
+                    self.own_health.set(serving);
+                }
+                Action::StartMonitors => self.start_monitors(),
+                Action::StopMonitors => {
+                    if let Some(token) = self.monitors.take() {
+                        token.cancel();
+                    }
+                }
+                Action::Log { level, message } => match level {
+                    Level::Info => tracing::info!("{message}"),
+                    Level::Warn => tracing::warn!("{message}"),
+                    Level::Error => tracing::error!("{message}"),
+                },
+                Action::CancelInFlight => self.plane.cut.cancel(),
+                Action::Exit(code) => return Some(code),
+            }
+        }
+        None
+    }
+
+    /// Publishes the state for the admin port, then waits for whichever comes
+    /// first: an input from a task, a signal, the drain, or the core's deadline.
+    async fn next_input(&mut self) -> Input {
+        let deadline = self.lifecycle.poll_timeout();
+        self.status.publish(
+            &self.lifecycle,
+            deadline,
+            self.clock.wall_origin,
+            self.plane.gate.in_flight(),
+        );
+        let sleep = async {
+            match deadline {
+                Some((at, _)) => {
+                    tokio::time::sleep_until(self.clock.origin + at.since_origin()).await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let inputs = &mut self.inputs;
+        let signal = async {
+            match inputs.shutdown.as_mut() {
+                Some(signals) => signals.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            Some(ready) = inputs.ready.recv() => Input::EngineReady(ready),
+            Some(event) = inputs.events.recv() => Input::Event(event),
+            Some(()) = inputs.lost.recv() => Input::RegistrationLost,
+            signal = signal => match signal {
+                Some(()) => Input::Signal,
+                None => Input::SignalsClosed,
+            },
+            () = self.plane.drained.notified() => Input::Drained,
+            () = sleep => Input::Timeout,
+        }
+    }
+
+    /// Feeds one input to the core. The gate counts calls; the core first
+    /// hears the count (when it changed), so no decision or log line rests on
+    /// a stale count.
+    fn step(&mut self, input: Input) {
+        let now = self.clock.now();
+        let in_flight = self.plane.gate.in_flight();
+        if in_flight != self.lifecycle.in_flight() {
+            self.lifecycle
+                .handle_event(now, Event::InFlightChanged { count: in_flight });
+        }
+        let event = match input {
+            Input::EngineReady(ready) => {
+                let identity = ready.0.identity.clone();
+                self.status
+                    .update(|s| s.engine_identity = Some(identity.clone()));
+                self.engine = Some(ready);
+                Event::EngineReady { identity }
+            }
+            Input::Event(event) => {
+                self.status.note_event(&event);
+                event
+            }
+            Input::RegistrationLost => Event::RegistrationLost,
+            Input::Signal => {
+                tracing::info!("received a shutdown signal");
+                Event::ShutdownSignal
+            }
+            Input::SignalsClosed => {
+                self.inputs.shutdown = None;
+                return;
+            }
+            Input::Drained => return,
+            Input::Timeout => return self.lifecycle.handle_timeout(now),
+        };
+        self.lifecycle.handle_event(now, event);
+    }
+
+    /// Hands the worker's record to the discovery worker.
+    fn register(&mut self) {
+        let Some((info, _)) = &self.engine else {
+            return;
+        };
+        let record = record(&self.config, &self.instance_hex, info);
+        let _ = self
+            .discovery_ops
+            .send(DiscoveryOp::Register(Box::new(record)));
+    }
+
+    /// Starts the liveness Watch and the stale-load probe on the engine's connection.
+    fn start_monitors(&mut self) {
+        let Some((_, channel)) = &self.engine else {
+            return;
+        };
+        let channel: Channel = channel.clone();
+        let token = self.root.child_token();
+        let t = &self.config.timings;
+        tokio::spawn(engine::monitors::watch_liveness(
+            channel.clone(),
+            self.config.liveness_service.clone(),
+            t.connect_attempt_timeout,
+            self.events.clone(),
+            token.clone(),
+        ));
+        tokio::spawn(engine::monitors::probe(
+            self.config.engine,
+            channel,
+            t.probe_interval,
+            self.events.clone(),
+            token.clone(),
+        ));
+        self.monitors = Some(token);
+    }
+
+    /// Decide (done), tell, wait with a bound: cut calls end with their
+    /// trailers, connections send GOAWAY and flush, then the process goes.
+    async fn shutdown(self, code: ExitReason) -> ExitReason {
+        self.status.update(|s| {
+            s.state = "Exited";
+            s.live = false;
+        });
+        self.root.cancel();
+        self.connections.close();
+        if tokio::time::timeout(CONNECTIONS_CLOSE, self.connections.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "request-plane connections did not close within {}; exiting anyway",
+                llm_sidecar_core::HumanDuration(CONNECTIONS_CLOSE)
+            );
+        }
+        // The sidecar's side of the call account, once /metrics is gone.
+        tracing::info!(
+            "request plane account at exit: {} in_flight={}",
+            self.plane.counters.account(),
+            self.plane.gate.in_flight()
+        );
+        code
+    }
+}
+
+/// The worker's discovery record, as of now.
+fn record(config: &RunConfig, instance_hex: &str, info: &EngineInfo) -> Record {
+    Record {
+        instance_id: instance_hex.to_string(),
+        namespace: config.namespace.clone(),
+        component: config.component.clone(),
+        endpoint: config.endpoint.clone(),
+        address: config.advertise.clone(),
+        transport: "grpc".into(),
+        engine: EngineRecord {
+            kind: config.engine.kind_name().into(),
+            version: info.version.clone(),
+            identity: info.identity.clone(),
+        },
+        model: info.model.clone(),
+        pid: std::process::id(),
+        registered_at: crate::timefmt::rfc3339(SystemTime::now()),
     }
 }
 
@@ -109,426 +505,5 @@ fn core_config(config: &RunConfig, instance_id: u64) -> CoreConfig {
         stale_after: t.stale_after,
         router_grace: t.router_grace,
         drain_timeout: t.drain_timeout,
-    }
-}
-
-async fn drive<D: Discovery>(
-    config: RunConfig,
-    discovery: Arc<D>,
-    mut shutdown: mpsc::UnboundedReceiver<()>,
-) -> Result<ExitCode, RunError> {
-    let admin = crate::net::bind("admin", config.admin_listen).await?;
-    let listener = crate::net::bind("request plane", config.listen).await?;
-    let engine_channel = engine::endpoint(&config.engine_endpoint, &config.timings)
-        .map_err(|e| RunError::Engine {
-            address: config.engine_endpoint.clone(),
-            message: e.to_string(),
-        })?
-        .connect_lazy();
-    let own_health = OwnHealth::new(config.engine.service_name());
-    let plane = Arc::new(Plane {
-        gate: llm_sidecar_core::gate::Gate::new(),
-        serving: Default::default(),
-        cut: CancellationToken::new(),
-        drained: Default::default(),
-        metrics: ProxyMetrics::default(),
-        engine: engine_channel,
-        health: own_health.server(),
-        health_rpc_path: config.engine.health_rpc_path(),
-        limits: config.limits,
-    });
-    let instance_id = new_instance_id();
-    let instance_hex = format!("{instance_id:x}");
-    let origin = tokio::time::Instant::now();
-    // The same origin on the wall clock, for the deadlines `/state` shows: one
-    // anchor, so an unchanged deadline always shows the same instant.
-    let wall_origin = SystemTime::now();
-    let now = move || Time::from(origin.elapsed());
-    let mut lifecycle = Lifecycle::new(core_config(&config, instance_id), now());
-
-    let root = CancellationToken::new();
-    let status = Shared::default();
-    status.update(|s| {
-        s.live = true;
-        s.instance_id = instance_hex.clone();
-    });
-    tokio::spawn(admin_http::serve(
-        admin,
-        admin_handler(status.clone(), plane.clone()),
-        root.child_token(),
-    ));
-    let connections = tokio_util::task::TaskTracker::new();
-    tokio::spawn(proxy::serve(
-        listener,
-        config.tls.clone(),
-        plane.clone(),
-        root.child_token(),
-        connections.clone(),
-    ));
-
-    let (ready_tx, mut ready) = mpsc::channel::<EngineReady>(1);
-    let (events_tx, mut events) = mpsc::channel::<Event>(256);
-    let (lost_tx, mut lost) = mpsc::unbounded_channel::<()>();
-    let (ops_tx, ops_rx) = mpsc::unbounded_channel::<DiscoveryOp>();
-
-    tokio::spawn(wait_for_engine(
-        config.clone(),
-        ready_tx,
-        root.child_token(),
-    ));
-    tokio::spawn(discovery_worker(
-        discovery.clone(),
-        ops_rx,
-        events_tx.clone(),
-        lost_tx,
-        config.timings.connect_attempt_timeout,
-        status.clone(),
-    ));
-    tracing::info!(
-        engine = %config.engine_endpoint,
-        discovery = %config.discovery,
-        admin = %config.admin_listen,
-        request_plane = match &config.tls {
-            None => "h2 plaintext",
-            Some(t) if t.mutual => "h2 over TLS, client certificates required",
-            Some(_) => "h2 over TLS",
-        },
-        "llm-sidecar starting: instance {instance_hex}, waiting for the {} engine at {}",
-        config.engine.display_name(),
-        config.engine_endpoint,
-    );
-
-    let mut engine: Option<(EngineInfo, Channel)> = None;
-    let mut monitors: Option<CancellationToken> = None;
-    let mut shutdown_open = true;
-    loop {
-        // Perform what the core decided, in order.
-        while let Some(action) = lifecycle.poll_action() {
-            match action {
-                Action::Register => {
-                    let Some((info, _)) = &engine else { continue };
-                    let record = Record {
-                        instance_id: instance_hex.clone(),
-                        namespace: config.namespace.clone(),
-                        component: config.component.clone(),
-                        endpoint: config.endpoint.clone(),
-                        address: config.advertise.clone(),
-                        transport: "grpc".into(),
-                        engine: EngineRecord {
-                            kind: config.engine.kind_name().into(),
-                            version: info.version.clone(),
-                            identity: info.identity.clone(),
-                        },
-                        model: info.model.clone(),
-                        pid: std::process::id(),
-                        registered_at: crate::timefmt::rfc3339(SystemTime::now()),
-                    };
-                    let _ = ops_tx.send(DiscoveryOp::Register(Box::new(record)));
-                }
-                Action::Withdraw => {
-                    let _ = ops_tx.send(DiscoveryOp::Withdraw);
-                }
-                Action::SetAdmission(Admission::Open) => plane.gate.open(),
-                Action::SetAdmission(Admission::Closed) => {
-                    if plane.gate.close().drained {
-                        plane.drained.notify_one();
-                    }
-                }
-                Action::SetHealth(health) => {
-                    let serving = health == llm_sidecar_core::Health::Serving;
-                    plane.serving.store(serving, Ordering::Release);
-                    own_health.set(serving);
-                }
-                Action::StartMonitors => {
-                    if let Some((_, channel)) = &engine {
-                        let token = root.child_token();
-                        tokio::spawn(monitors::watch_liveness(
-                            channel.clone(),
-                            config.liveness_service.clone(),
-                            config.timings.connect_attempt_timeout,
-                            events_tx.clone(),
-                            token.clone(),
-                        ));
-                        tokio::spawn(monitors::probe(
-                            config.engine,
-                            channel.clone(),
-                            config.timings.probe_interval,
-                            events_tx.clone(),
-                            token.clone(),
-                        ));
-                        monitors = Some(token);
-                    }
-                }
-                Action::StopMonitors => {
-                    if let Some(token) = monitors.take() {
-                        token.cancel();
-                    }
-                }
-                Action::Log { level, message } => match level {
-                    Level::Info => tracing::info!("{message}"),
-                    Level::Warn => tracing::warn!("{message}"),
-                    Level::Error => tracing::error!("{message}"),
-                },
-                Action::CancelInFlight => plane.cut.cancel(),
-                Action::Exit(code) => {
-                    status.update(|s| {
-                        s.state = "Exited";
-                        s.live = false;
-                    });
-                    // Decide (done), tell, wait with a bound: cut calls end with their
-                    // trailers, connections send GOAWAY and flush, then we go.
-                    root.cancel();
-                    connections.close();
-                    if tokio::time::timeout(Duration::from_secs(3), connections.wait())
-                        .await
-                        .is_err()
-                    {
-                        tracing::warn!(
-                            "request-plane connections did not close within 3s; exiting anyway"
-                        );
-                    }
-                    // The sidecar's side of the call account, once /metrics is gone.
-                    tracing::info!(
-                        "request plane account at exit: {} in_flight={}",
-                        plane.metrics.account(),
-                        plane.gate.in_flight()
-                    );
-                    return Ok(code);
-                }
-            }
-        }
-        // The gate counts calls; the core hears the count when it changed.
-        let in_flight = plane.gate.in_flight();
-        if in_flight != lifecycle.in_flight() {
-            lifecycle.handle_event(now(), Event::InFlightChanged { count: in_flight });
-            continue;
-        }
-        let deadline = lifecycle.poll_timeout();
-        publish(&lifecycle, deadline, &status, wall_origin);
-
-        let sleep = async {
-            match deadline {
-                Some((at, _)) => tokio::time::sleep_until(origin + at.since_origin()).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            Some((info, channel)) = ready.recv() => {
-                status.update(|s| s.engine_identity = Some(info.identity.clone()));
-                let identity = info.identity.clone();
-                engine = Some((info, channel));
-                feed(&mut lifecycle, &plane.gate, now(), Event::EngineReady { identity });
-            }
-            Some(event) = events.recv() => {
-                note_event(&event, &status);
-                feed(&mut lifecycle, &plane.gate, now(), event);
-            }
-            Some(()) = lost.recv() => feed(&mut lifecycle, &plane.gate, now(), Event::RegistrationLost),
-            signal = shutdown.recv(), if shutdown_open => match signal {
-                Some(()) => {
-                    tracing::info!("received a shutdown signal");
-                    feed(&mut lifecycle, &plane.gate, now(), Event::ShutdownSignal);
-                }
-                None => shutdown_open = false,
-            },
-            () = plane.drained.notified() => {}
-            () = sleep => lifecycle.handle_timeout(now()),
-        }
-    }
-}
-
-/// Feeds one event, first telling the core the gate's current in-flight count,
-/// so decisions (and their log lines) never rest on a stale count.
-fn feed(lifecycle: &mut Lifecycle, gate: &llm_sidecar_core::gate::Gate, now: Time, event: Event) {
-    let in_flight = gate.in_flight();
-    if in_flight != lifecycle.in_flight() {
-        lifecycle.handle_event(now, Event::InFlightChanged { count: in_flight });
-    }
-    lifecycle.handle_event(now, event);
-}
-
-/// Metrics derived from events before the core sees them.
-fn note_event(event: &Event, status: &Shared) {
-    match event {
-        Event::Liveness(LivenessObservation::Status(raw)) => {
-            status.update(|s| s.liveness_status = Some(*raw));
-        }
-        Event::ProbeSucceeded => status.update(|s| s.last_fresh_probe = Some(Instant::now())),
-        Event::Withdrawn => status.update(|s| {
-            if let Some(at) = s.lost_at.take() {
-                s.loss_to_withdraw = Some(at.elapsed());
-            }
-        }),
-        Event::RegistrationFailed { .. } | Event::WithdrawFailed { .. } => {
-            status.update(|s| s.discovery_write_failures += 1);
-        }
-        _ => {}
-    }
-}
-
-/// Copies the lifecycle's state into the admin view after every step.
-fn publish(
-    lifecycle: &Lifecycle,
-    deadline: Option<(Time, &'static str)>,
-    status: &Shared,
-    wall_origin: SystemTime,
-) {
-    let phase = lifecycle.phase();
-    status.update(|s| {
-        let name = phase.name();
-        if s.state != name {
-            s.since = Some(SystemTime::now());
-            if phase == Phase::Lost {
-                s.lost_at = Some(Instant::now());
-                let kind = loss_kind(lifecycle.reason().unwrap_or(""));
-                *s.losses.entry(kind).or_default() += 1;
-            }
-            if phase == Phase::Serving && s.last_fresh_probe.is_none() {
-                s.last_fresh_probe = Some(Instant::now());
-            }
-        }
-        s.state = name;
-        s.reason = lifecycle.reason().map(str::to_string);
-        s.in_flight = lifecycle.in_flight();
-        s.deadline = deadline.map(|(at, why)| (wall_origin + at.since_origin(), why));
-    });
-}
-
-fn admin_handler(status: Shared, plane: Arc<Plane>) -> Handler {
-    Arc::new(move |req: &Request| {
-        if req.method != "GET" && req.method != "HEAD" {
-            return Response::text(405, "only GET\n");
-        }
-        match req.path.as_str() {
-            "/live" => status.read(|s| {
-                if s.live {
-                    Response::text(200, "live\n")
-                } else {
-                    Response::text(503, "exiting\n")
-                }
-            }),
-            "/ready" => status.read(|s| {
-                if s.state == "Serving" {
-                    Response::text(200, "ready\n")
-                } else {
-                    Response::text(503, format!("not ready: {}\n", s.state))
-                }
-            }),
-            "/state" => Response::json(200, status.read(|s| s.state_json())),
-            "/metrics" => Response {
-                status: 200,
-                content_type: "text/plain; version=0.0.4",
-                body: status.read(|s| s.metrics(&plane.metrics, plane.gate.in_flight())),
-            },
-            _ => Response::text(404, "not found; try /live, /ready, /state or /metrics\n"),
-        }
-    })
-}
-
-/// Start-up: connect and read the engine until it answers, every retry interval.
-/// A refused connection means the engine is still loading its model.
-async fn wait_for_engine(
-    config: RunConfig,
-    ready: mpsc::Sender<EngineReady>,
-    cancel: CancellationToken,
-) {
-    let profile: EngineProfile = config.engine;
-    let t = &config.timings;
-    let endpoint = match engine::endpoint(&config.engine_endpoint, t) {
-        Ok(e) => e,
-        Err(e) => {
-            tracing::error!("engine endpoint {}: {e}", config.engine_endpoint);
-            return;
-        }
-    };
-    let mut last_error = String::new();
-    let mut attempts: u64 = 0;
-    loop {
-        attempts += 1;
-        let attempt = async {
-            let channel = engine::connect(&endpoint, t.connect_attempt_timeout).await?;
-            let info = engine::read_info(&profile, &channel, t.connect_attempt_timeout).await?;
-            Ok::<_, engine::EngineError>((info, channel))
-        };
-        let outcome = tokio::select! {
-            () = cancel.cancelled() => return,
-            outcome = attempt => outcome,
-        };
-        match outcome {
-            Ok((info, channel)) => {
-                tracing::info!(
-                    model = %info.model.name,
-                    version = %info.version,
-                    "{} engine at {} answered (start-up attempt {attempts})",
-                    profile.display_name(),
-                    config.engine_endpoint
-                );
-                let _ = ready.send((info, channel)).await;
-                return;
-            }
-            Err(e) => {
-                let text = e.to_string();
-                if text != last_error {
-                    tracing::info!(
-                        "{} engine at {} not ready yet ({text}); retrying every {}",
-                        profile.display_name(),
-                        config.engine_endpoint,
-                        llm_sidecar_core::HumanDuration(t.retry_interval)
-                    );
-                    last_error = text;
-                }
-            }
-        }
-        tokio::select! {
-            () = cancel.cancelled() => return,
-            () = tokio::time::sleep(t.retry_interval) => {}
-        }
-    }
-}
-
-/// Runs discovery writes one at a time, in order; answers each exactly once.
-async fn discovery_worker<D: Discovery>(
-    discovery: Arc<D>,
-    mut ops: mpsc::UnboundedReceiver<DiscoveryOp>,
-    events: mpsc::Sender<Event>,
-    lost: mpsc::UnboundedSender<()>,
-    bound: std::time::Duration,
-    status: Shared,
-) {
-    let timeout_error =
-        || DiscoveryError::Timeout(llm_sidecar_core::HumanDuration(bound).to_string());
-    while let Some(op) = ops.recv().await {
-        let event = match op {
-            DiscoveryOp::Register(record) => {
-                match tokio::time::timeout(bound, discovery.register(&record, lost.clone())).await {
-                    Ok(Ok(())) => {
-                        let location = discovery.location(&record);
-                        tracing::info!(record = %location, key = %record.key(), "record written to discovery");
-                        status.update(|s| s.record_location = Some(location));
-                        Event::Registered
-                    }
-                    Ok(Err(e)) => Event::RegistrationFailed {
-                        error: engine::error_chain(&e),
-                    },
-                    Err(_) => Event::RegistrationFailed {
-                        error: timeout_error().to_string(),
-                    },
-                }
-            }
-            DiscoveryOp::Withdraw => {
-                match tokio::time::timeout(bound, discovery.withdraw()).await {
-                    Ok(Ok(())) => Event::Withdrawn,
-                    Ok(Err(e)) => Event::WithdrawFailed {
-                        error: engine::error_chain(&e),
-                    },
-                    Err(_) => Event::WithdrawFailed {
-                        error: timeout_error().to_string(),
-                    },
-                }
-            }
-        };
-        if events.send(event).await.is_err() {
-            return;
-        }
     }
 }

@@ -4,20 +4,27 @@
 //! signals, the clock) into inputs for the core's [`Lifecycle`], and performs the
 //! actions the core emits. [`run`] is the production job.
 //!
+//! The rooms (docs/ARCHITECTURE.md has the map): [`driver`] (the loop),
+//! [`engine`] (profiles, start-up, monitors), [`discovery`] (the record and its
+//! backends), [`request_plane`] (the proxy), [`admin`] (the admin port), and
+//! the leaves every room may use: [`parse`], [`net`], [`tls`], [`report`],
+//! [`timefmt`] and the exit bounds.
+//!
 //! [`Lifecycle`]: llm_sidecar_core::Lifecycle
 
-pub mod admin_http;
+pub mod admin;
 pub mod config;
 pub mod discovery;
 mod driver;
 pub mod engine;
-mod monitors;
+mod exit_bounds;
 pub mod net;
-mod own_health;
-pub mod proxy;
-mod status;
+pub mod parse;
+pub mod report;
+pub mod request_plane;
 pub mod timefmt;
 pub mod tls;
 
-pub use config::{ConfigError, RunConfig, Timings, parse_duration, parse_host_port};
+pub use config::{RunConfig, Timings};
 pub use driver::{RunError, run};
+pub use parse::{ConfigError, parse_duration, parse_host_port, parse_key_segment};

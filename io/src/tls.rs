@@ -10,7 +10,7 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use crate::config::ConfigError;
+use crate::parse::ConfigError;
 
 /// Files for TLS on the request plane.
 #[derive(Debug, Clone)]

@@ -3,6 +3,8 @@
 //! proxy), for a duration or a number of calls. Reports calls/s, tokens/s,
 //! time to first token and inter-token latency percentiles, and errors by code.
 
+pub mod local;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,8 @@
 //! |---|---|
 //! | `/liveness?status=N[&service=S]` | set a health service's raw status (registers it) |
 //! | `/unregister?service=S` | remove a health service (Watch then sees SERVICE_UNKNOWN) |
-//! | `/watch/end` | end every open Watch stream with OK |
+//! | `/watch/end[?trailers=false]` | end every open Watch stream with OK (or with no trailers at all) |
+//! | `/watch/hold?on=true\|false` | hold back (or release) the first message of Watch streams |
 //! | `/watch/fail?code=N&message=M` | fail every open Watch stream with that status |
 //! | `/healthcheck?mode=ok\|stall\|text&text=T` | how HealthCheck answers |
 //! | `/identity?version=V` | change the version GetServerInfo reports |
@@ -15,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use llm_sidecar_io::admin_http::{Handler, Request, Response};
+use llm_sidecar_io::admin::http::{Handler, Request, Response};
 
 use crate::{HealthCheckMode, State, WatchControl, lock};
 
@@ -41,9 +42,21 @@ fn route(state: &State, req: &Request) -> Response {
             Response::text(200, format!("{service} unregistered\n"))
         }
         "/watch/end" => {
+            let without_trailers = req.param("trailers") == Some("false");
+            state
+                .end_without_trailers
+                .store(without_trailers, Ordering::Release);
             let _ = state.watch_control.send(WatchControl::End);
             Response::text(200, "watch streams ended\n")
         }
+        "/watch/hold" => match req.param("on") {
+            Some(on @ ("true" | "false")) => {
+                let hold = on == "true";
+                state.hold_watch.send_replace(hold);
+                Response::text(200, format!("hold = {hold}\n"))
+            }
+            _ => Response::text(400, "on must be true or false\n"),
+        },
         "/watch/fail" => {
             let code = req.param("code").and_then(|c| c.parse().ok()).unwrap_or(14);
             let message = req

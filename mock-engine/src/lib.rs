@@ -19,7 +19,7 @@ pub mod echo_api {
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -62,6 +62,12 @@ pub struct MockConfig {
     pub health: HealthMode,
     /// Where to append the Generate journal, if anywhere.
     pub journal: Option<std::path::PathBuf>,
+    /// Hold back the first message of every Watch until the control endpoint
+    /// releases it (`/watch/hold?on=false`): a liveness Watch that does not open.
+    pub hold_watch: bool,
+    /// A Watch on an unregistered service fails NOT_FOUND at once, as
+    /// tonic-health's server does, instead of sending SERVICE_UNKNOWN.
+    pub watch_unknown_not_found: bool,
 }
 
 /// How HealthCheck answers.
@@ -111,6 +117,12 @@ pub(crate) struct State {
     pub(crate) cancel_calls: CancellationToken,
     /// Fires when the control endpoint asks for a graceful stop.
     pub(crate) stop_requested: watch::Sender<Option<Duration>>,
+    /// New Watch streams hold back their first message while this is true.
+    pub(crate) hold_watch: watch::Sender<bool>,
+    /// Watch streams that end from now on end without trailers.
+    pub(crate) end_without_trailers: AtomicBool,
+    /// A graceful stop began: every Watch ends cleanly at its next wake-up.
+    pub(crate) stopping: AtomicBool,
 }
 
 impl State {
@@ -213,10 +225,13 @@ pub async fn run(
         cancelled_ids: Mutex::new(Vec::new()),
         cancel_calls: CancellationToken::new(),
         stop_requested: stop_tx,
+        hold_watch: watch::channel(config.hold_watch).0,
+        end_without_trailers: AtomicBool::new(false),
+        stopping: AtomicBool::new(false),
     });
 
     let control_cancel = CancellationToken::new();
-    tokio::spawn(llm_sidecar_io::admin_http::serve(
+    tokio::spawn(llm_sidecar_io::admin::http::serve(
         control_listener,
         control::handler(state.clone()),
         control_cancel.clone(),
@@ -235,10 +250,11 @@ pub async fn run(
             state: state.clone(),
         }));
     if config.health != HealthMode::Absent {
-        router = router.add_service(tonic_health::pb::health_server::HealthServer::new(
-            health::Health {
+        router = router.add_service(health::TrailerSwitch::new(
+            tonic_health::pb::health_server::HealthServer::new(health::Health {
                 state: state.clone(),
-            },
+            }),
+            state.clone(),
         ));
     }
     let server = tokio::spawn(router.serve_with_incoming(incoming));
@@ -256,15 +272,18 @@ pub async fn run(
             Err(_) => Duration::ZERO,
         },
     };
-    // TensorRT-LLM's graceful stop: refuse new connections, report NOT_SERVING,
-    // let calls run for the grace, then cancel every open call.
+    // TensorRT-LLM's graceful stop: refuse new connections, end the health
+    // Watch streams cleanly (a Check now answers NOT_SERVING), let calls run
+    // for the grace, then cancel every open call.
     accept_stop.cancel();
+    state.stopping.store(true, Ordering::Release);
+    let _ = state.watch_control.send(WatchControl::End);
     let services: Vec<String> = lock(&state.statuses).keys().cloned().collect();
     for service in &services {
         state.set_status(service, NOT_SERVING);
     }
     tracing::info!(
-        "mock engine stopping: NOT_SERVING, cancelling calls in {:?}",
+        "mock engine stopping: Watch streams ended, NOT_SERVING, cancelling calls in {:?}",
         grace
     );
     tokio::time::sleep(grace).await;

@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use llm_sidecar_core::{ExitCode, Phase};
+use llm_sidecar_core::{ExitReason, Phase};
 
 use crate::{AbstractEvent, Harness};
 
@@ -20,9 +20,9 @@ fn node(phase: Phase) -> (&'static str, &'static str) {
         Phase::Serving => ("Serving", "Serving"),
         Phase::Draining => ("Draining", "Draining"),
         Phase::Lost => ("Lost", "Lost"),
-        Phase::Exited(ExitCode::Clean) => ("Exited0", "Exited { code: 0 }"),
-        Phase::Exited(ExitCode::EngineLost) => ("Exited1", "Exited { code: 1 }"),
-        Phase::Exited(ExitCode::StartupFailed) => ("Exited3", "Exited { code: 3 }"),
+        Phase::Exited(ExitReason::Clean) => ("Exited0", "Exited { code: 0 }"),
+        Phase::Exited(ExitReason::EngineLost) => ("Exited1", "Exited { code: 1 }"),
+        Phase::Exited(ExitReason::StartupFailed) => ("Exited3", "Exited { code: 3 }"),
     }
 }
 
@@ -93,9 +93,9 @@ pub fn render() -> String {
         Phase::Serving,
         Phase::Draining,
         Phase::Lost,
-        Phase::Exited(ExitCode::Clean),
-        Phase::Exited(ExitCode::EngineLost),
-        Phase::Exited(ExitCode::StartupFailed),
+        Phase::Exited(ExitReason::Clean),
+        Phase::Exited(ExitReason::EngineLost),
+        Phase::Exited(ExitReason::StartupFailed),
     ] {
         let (id, name) = node(phase);
         if nodes.contains(id) && id != name {

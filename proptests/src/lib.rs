@@ -4,7 +4,8 @@
 //!   order, calls that start only while admission is open, monitors that report
 //!   only while started. It turns an [`AbstractEvent`] into a concrete input, or
 //!   says the event cannot happen now.
-//! - [`Checker`]: the eight invariants of DESIGN §2, checked after every step.
+//! - [`Checker`]: the eight invariants of the lifecycle (docs/CONTRACT.md,
+//!   "Invariants"), checked after every step.
 //! - [`Harness`]: a [`Lifecycle`] in a [`World`] watched by a [`Checker`].
 //!
 //! The proptest state-machine test, the exhaustive explorer and the fuzzer all
@@ -17,7 +18,7 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use llm_sidecar_core::{
-    Action, Admission, Config, Event, ExitCode, Health, Level, Lifecycle, LivenessObservation,
+    Action, Admission, Config, Event, ExitReason, Health, Level, Lifecycle, LivenessObservation,
     Phase, Time,
 };
 
@@ -92,9 +93,10 @@ pub enum AbstractEvent {
     CallEnded,
     /// Time jumps to the core's next deadline.
     FireNextTimer,
-    /// 100 ms pass.
+    /// A short while passes (100 ms unless the world says otherwise).
     WaitShort,
-    /// 7 s pass.
+    /// A long while passes, past several deadlines at once (7 s unless the
+    /// world says otherwise).
     WaitLong,
 }
 
@@ -159,6 +161,13 @@ pub struct World {
     /// Calls admitted and not yet ended.
     pub in_flight: u64,
     exited: bool,
+    /// At most this many calls in flight at once: the explorer's abstraction
+    /// (what the core does depends on "none" or "some", and the count only
+    /// shows up in log lines), which keeps its state space finite. Unbounded
+    /// for the other drivers.
+    pub call_cap: u64,
+    /// How long `WaitShort` and `WaitLong` last.
+    pub waits: (Duration, Duration),
 }
 
 impl Default for World {
@@ -173,6 +182,8 @@ impl Default for World {
             monitors: false,
             in_flight: 0,
             exited: false,
+            call_cap: u64::MAX,
+            waits: (Duration::from_millis(100), Duration::from_secs(7)),
         }
     }
 }
@@ -261,14 +272,17 @@ impl World {
                 )
             }),
             A::Shutdown => at(Event::ShutdownSignal),
-            A::CallStarted => (self.admission == Admission::Open || self.exited).then(|| {
-                Input::Event(
-                    now,
-                    Event::InFlightChanged {
-                        count: self.in_flight + 1,
-                    },
-                )
-            }),
+            A::CallStarted => ((self.admission == Admission::Open
+                && self.in_flight < self.call_cap)
+                || self.exited)
+                .then(|| {
+                    Input::Event(
+                        now,
+                        Event::InFlightChanged {
+                            count: self.in_flight + 1,
+                        },
+                    )
+                }),
             A::CallEnded => (self.in_flight > 0).then(|| {
                 Input::Event(
                     now,
@@ -281,8 +295,8 @@ impl World {
                 Some((t, _)) => Some(Input::Timeout(t.max(now))),
                 None => self.exited.then_some(Input::Timeout(now)),
             },
-            A::WaitShort => Some(Input::Timeout(now + Duration::from_millis(100))),
-            A::WaitLong => Some(Input::Timeout(now + Duration::from_secs(7))),
+            A::WaitShort => Some(Input::Timeout(now + self.waits.0)),
+            A::WaitLong => Some(Input::Timeout(now + self.waits.1)),
         }
     }
 
@@ -341,16 +355,34 @@ impl World {
         }
     }
 
+    /// Every field named (no `..`): a field added later does not compile
+    /// until the fingerprint accounts for it.
     fn fingerprint(&self, h: &mut DefaultHasher) {
+        let World {
+            // Times are taken relative to now; the world's own clock is now.
+            now: _,
+            engine_announced,
+            ops,
+            record,
+            admission,
+            health,
+            monitors,
+            in_flight,
+            exited,
+            call_cap,
+            waits,
+        } = self;
         (
-            self.engine_announced,
-            &self.ops,
-            self.record,
-            self.admission,
-            self.health,
-            self.monitors,
-            self.in_flight,
-            self.exited,
+            engine_announced,
+            ops,
+            record,
+            admission,
+            health,
+            monitors,
+            in_flight,
+            exited,
+            call_cap,
+            waits,
         )
             .hash(h);
     }
@@ -359,7 +391,7 @@ impl World {
 /// A broken invariant: which one, and what happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Violation {
-    /// The invariant's number in DESIGN §2 (0 for "the harness itself").
+    /// The invariant's number in docs/CONTRACT.md (0 for "the harness itself").
     pub invariant: u8,
     /// What was seen.
     pub detail: String,
@@ -371,7 +403,7 @@ impl std::fmt::Display for Violation {
     }
 }
 
-/// The invariants of DESIGN §2, checked after every step from what the core
+/// The invariants of docs/CONTRACT.md, checked after every step from what the core
 /// emitted and what the world saw. It keeps only history, never the machine's
 /// internals.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
@@ -382,7 +414,7 @@ pub struct Checker {
     last_discovery_is_withdraw: bool,
     ever_registered: bool,
     /// The exit code the first decisive event fixed.
-    decided: Option<ExitCode>,
+    decided: Option<ExitReason>,
     /// Latest time the process may exit once shutting down began.
     exit_by: Option<Time>,
     /// What the first liveness observation since the monitors started was.
@@ -454,7 +486,7 @@ impl Checker {
             if after == Phase::Serving {
                 return violation(4, "started serving after the startup deadline");
             }
-            self.decided = Some(ExitCode::StartupFailed);
+            self.decided = Some(ExitReason::StartupFailed);
         }
         // The harness delivers due deadlines in a step of their own, so a step has
         // exactly one cause: its input.
@@ -466,7 +498,7 @@ impl Checker {
         if loss_accepted && !matches!(before, Phase::Starting | Phase::Serving) {
             return violation(4, format!("engine loss accepted while {before:?}"));
         }
-        if matches!(after, Phase::Lost | Phase::Exited(ExitCode::EngineLost))
+        if matches!(after, Phase::Lost | Phase::Exited(ExitReason::EngineLost))
             && !matches!(before, Phase::Lost)
             && !loss_accepted
         {
@@ -474,11 +506,11 @@ impl Checker {
         }
         if self.decided.is_none() {
             if loss_accepted && !signal {
-                self.decided = Some(ExitCode::EngineLost);
+                self.decided = Some(ExitReason::EngineLost);
             } else if signal {
-                self.decided = Some(ExitCode::Clean);
+                self.decided = Some(ExitReason::Clean);
             } else if before == Phase::Serving
-                && matches!(after, Phase::Draining | Phase::Exited(ExitCode::Clean))
+                && matches!(after, Phase::Draining | Phase::Exited(ExitReason::Clean))
             {
                 return violation(4, "Serving ended as if signalled, without a signal");
             }
@@ -641,19 +673,34 @@ impl Checker {
         Ok(())
     }
 
+    /// Every field named (no `..`). Once the process exited, the checker only
+    /// checks that Exited absorbs; its drain bound is history then.
     fn fingerprint(&self, now: Time, h: &mut DefaultHasher) {
         let rel =
             |t: Time| t.since_origin().as_nanos() as i128 - now.since_origin().as_nanos() as i128;
+        let Checker {
+            exits,
+            withdraw_emitted,
+            last_discovery_is_withdraw,
+            ever_registered,
+            decided,
+            exit_by,
+            liveness_first_seen,
+            liveness_unsupported,
+            liveness_warnings_in_serving,
+        } = self;
+        let exited = *exits > 0;
         (
-            self.exits,
-            self.withdraw_emitted,
-            self.last_discovery_is_withdraw,
-            self.ever_registered,
-            self.decided,
-            self.exit_by.map(rel),
-            self.liveness_first_seen,
-            self.liveness_unsupported,
-            self.liveness_warnings_in_serving.min(2),
+            exits,
+            withdraw_emitted,
+            last_discovery_is_withdraw,
+            ever_registered,
+            decided,
+            exit_by.filter(|_| !exited).map(rel),
+            liveness_first_seen,
+            liveness_unsupported,
+            // Only "none", "one" and "more than one" are ever checked.
+            (*liveness_warnings_in_serving).min(2),
         )
             .hash(h);
     }

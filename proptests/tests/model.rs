@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use llm_sidecar_core::{Admission, Config, ExitCode, Phase};
+use llm_sidecar_core::{Admission, Config, ExitReason, Phase};
 use llm_sidecar_proptests::{AbstractEvent as A, Harness};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
@@ -46,7 +46,7 @@ struct Model {
     announced: bool,
     ops: Vec<Op>,
     record: bool,
-    abort: Option<ExitCode>,
+    abort: Option<ExitReason>,
     retry: bool,
     watch: Watch,
     admission: bool,
@@ -55,14 +55,14 @@ struct Model {
 }
 
 impl Model {
-    fn exit(&mut self, code: ExitCode) {
+    fn exit(&mut self, code: ExitReason) {
         self.phase = Phase::Exited(code);
         self.admission = false;
         self.monitors = false;
         self.retry = false;
     }
 
-    fn end_startup(&mut self, code: ExitCode) {
+    fn end_startup(&mut self, code: ExitReason) {
         if self.ops.is_empty() && !self.record {
             self.exit(code);
         } else {
@@ -97,9 +97,9 @@ impl Model {
         match (self.phase, self.abort) {
             (Phase::Starting, Some(code)) if settled => self.exit(code),
             (Phase::Draining, _) if settled && !self.admission && self.in_flight == 0 => {
-                self.exit(ExitCode::Clean)
+                self.exit(ExitReason::Clean)
             }
-            (Phase::Lost, _) if settled && self.in_flight == 0 => self.exit(ExitCode::EngineLost),
+            (Phase::Lost, _) if settled && self.in_flight == 0 => self.exit(ExitReason::EngineLost),
             _ => {}
         }
     }
@@ -260,8 +260,8 @@ impl ReferenceStateMachine for Reference {
                         m.ops.push(Op::Register);
                     }
                 }
-                A::FireNextTimer => m.end_startup(ExitCode::StartupFailed),
-                A::Shutdown => m.end_startup(ExitCode::Clean),
+                A::FireNextTimer => m.end_startup(ExitReason::StartupFailed),
+                A::Shutdown => m.end_startup(ExitReason::Clean),
                 _ => {}
             },
             (Phase::Serving, _) => match e {
@@ -306,7 +306,7 @@ impl ReferenceStateMachine for Reference {
                     }
                 }
                 A::FireNextTimer if m.admission => m.admission = false,
-                A::FireNextTimer => m.exit(ExitCode::Clean),
+                A::FireNextTimer => m.exit(ExitReason::Clean),
                 _ => {}
             },
             (Phase::Lost, _) => match e {
@@ -316,7 +316,7 @@ impl ReferenceStateMachine for Reference {
                         m.ops.push(Op::Withdraw);
                     }
                 }
-                A::FireNextTimer => m.exit(ExitCode::EngineLost),
+                A::FireNextTimer => m.exit(ExitReason::EngineLost),
                 _ => {}
             },
             (Phase::Exited(_), _) => {}

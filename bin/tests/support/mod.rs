@@ -3,12 +3,11 @@
 //! operator would look at: the record, the exit code, the log lines.
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Generous bound for waits that only exist to stop a hang.
 pub const HANG: Duration = Duration::from_secs(30);
@@ -17,10 +16,11 @@ pub fn binary() -> &'static str {
     env!("CARGO_BIN_EXE_llm-sidecar")
 }
 
+pub use llm_sidecar_loadgen::local::{files_under, record_files};
+
 /// A loopback address with a port nobody listens on right now.
 pub fn free_addr() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr")
+    llm_sidecar_loadgen::local::free_loopback_addr().expect("bind an ephemeral port")
 }
 
 /// A directory removed when dropped.
@@ -51,50 +51,47 @@ impl Drop for TempDir {
     }
 }
 
-/// Every file below `dir` (recursively) that `keep` accepts.
-pub fn files_under(dir: &Path, keep: &dyn Fn(&Path) -> bool) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(files_under(&p, keep));
-        } else if keep(&p) {
-            out.push(p);
-        }
-    }
-    out
-}
-
-/// Every discovery record (`*.json`) below a `file:` discovery directory.
-pub fn record_files(discovery: &Path) -> Vec<PathBuf> {
-    files_under(discovery, &|p| p.extension().is_some_and(|x| x == "json"))
-}
-
 /// Polls `check` until it is true; panics with `what` after `limit`.
-pub fn wait_until(limit: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !check() {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+pub fn wait_until(limit: Duration, what: &str, check: impl FnMut() -> bool) {
+    let held = llm_sidecar_loadgen::local::poll_until(limit, Duration::from_millis(20), check);
+    assert!(held, "timed out after {limit:?} waiting for {what}");
 }
 
 /// `GET path` over HTTP/1.0; returns (status, body). `None` if nothing answers.
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").ok()?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).ok()?;
-    let status = raw.split_whitespace().nth(1)?.parse().ok()?;
-    let body = raw
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Some((status, body))
+    llm_sidecar_loadgen::local::http_get(addr, path, Duration::from_secs(10))
+}
+
+/// A process's resident memory, KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    llm_sidecar_loadgen::local::rss_kib(pid, false)
+}
+
+/// A process's peak resident memory, KiB.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    llm_sidecar_loadgen::local::rss_kib(pid, true)
+}
+
+/// `llm-sidecar bench --target <target> --json <args>`, started.
+pub fn bench_spawn(target: SocketAddr, args: &[&str]) -> Child {
+    Command::new(binary())
+        .args(["bench", "--target", &target.to_string(), "--json"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start bench")
+}
+
+/// A started bench's JSON report, once it ends.
+pub fn bench_report(child: Child) -> serde_json::Value {
+    let out = child.wait_with_output().expect("bench output");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "bench report is JSON: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
 /// A child process whose stderr goes to a log file; killed when dropped.
@@ -102,6 +99,8 @@ pub struct Proc {
     pub child: Child,
     pub log: PathBuf,
     pub status: Option<ExitStatus>,
+    /// The arguments it was started with.
+    pub args: Vec<String>,
 }
 
 impl Proc {
@@ -123,6 +122,7 @@ impl Proc {
             child,
             log,
             status: None,
+            args: args.to_vec(),
         }
     }
 
@@ -342,7 +342,28 @@ pub fn run_args(
     args
 }
 
+/// A mock engine and a sidecar in front of it, registered and serving.
+pub fn serving(dir: &Path, mock_args: &[&str], sidecar_args: &[&str]) -> (Mock, Sidecar) {
+    let mock = Mock::start(dir, free_addr(), mock_args);
+    let sidecar = Sidecar::start(dir, mock.grpc, sidecar_args);
+    sidecar.wait_serving();
+    (mock, sidecar)
+}
+
 impl Sidecar {
+    /// Waits until the worker is registered and serving: its record is written
+    /// (file discovery) and the line says so.
+    pub fn wait_serving(&self) {
+        if !self.uses_etcd() {
+            self.wait_for_record(HANG);
+        }
+        self.proc.wait_for_line("registered; serving", HANG);
+    }
+
+    fn uses_etcd(&self) -> bool {
+        self.proc.args.iter().any(|a| a.starts_with("etcd://"))
+    }
+
     pub fn start(dir: &Path, engine: SocketAddr, extra: &[&str]) -> Self {
         let discovery = dir.join("discovery");
         for attempt in 0..5 {

@@ -7,6 +7,7 @@
 
 mod etcd;
 mod file;
+pub(crate) mod worker;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use tokio::sync::mpsc;
 pub use etcd::EtcdDiscovery;
 pub use file::FileDiscovery;
 
-use crate::config::ConfigError;
+use crate::parse::{ConfigError, parse_host_port};
 
 /// Which discovery backend, and where.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,7 +48,7 @@ impl DiscoveryUri {
         if let Some(hosts) = value.strip_prefix("etcd://") {
             let endpoints = hosts
                 .split(',')
-                .map(|h| crate::config::parse_host_port("--discovery", h.trim()))
+                .map(|h| parse_host_port("--discovery", h.trim()))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|_| err("etcd:// needs host:port[,host:port...]"))?;
             return Ok(DiscoveryUri::Etcd(endpoints));
@@ -87,7 +88,7 @@ pub struct ModelRecord {
     pub max_seq_len: i64,
 }
 
-/// A worker's discovery record (DESIGN §5).
+/// A worker's discovery record (docs/CONTRACT.md, "Discovery").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     /// The instance id, lowercase hex, as in the key.

@@ -4,14 +4,16 @@
 //! log lines, the liveness service, the probe and the identity. Adding an engine
 //! means a profile and its calls here; the core is untouched.
 
+pub(crate) mod monitors;
+pub(crate) mod startup;
 mod trtllm;
 
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
-use crate::config::Timings;
 use crate::discovery::ModelRecord;
+use crate::report::error_chain;
 
 /// The engines llm-sidecar knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,30 +116,26 @@ pub enum EngineError {
     },
 }
 
-/// An error and its causes, `a: b: c`, for one log line.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
+/// How the engine connection is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelSettings {
+    /// Bound on one connect attempt.
+    pub connect_timeout: Duration,
+    /// HTTP/2 keepalive ping interval; above the engine's ping floor.
+    pub keepalive_interval: Duration,
+    /// How long a keepalive ping may go unanswered.
+    pub keepalive_timeout: Duration,
 }
 
 /// The engine connection's settings: HTTP/2 keepalive above the engine's ping
 /// floor (so a frozen engine is noticed), a bounded connect, no Nagle.
-pub fn endpoint(address: &str, timings: &Timings) -> Result<Endpoint, EngineError> {
+pub fn endpoint(address: &str, settings: ChannelSettings) -> Result<Endpoint, EngineError> {
     let endpoint = Endpoint::from_shared(format!("http://{address}"))
         .map_err(|e| EngineError::Connect(error_chain(&e)))?;
     Ok(endpoint
-        .connect_timeout(timings.connect_attempt_timeout)
-        .http2_keep_alive_interval(timings.keepalive_interval)
-        .keep_alive_timeout(timings.keepalive_timeout)
+        .connect_timeout(settings.connect_timeout)
+        .http2_keep_alive_interval(settings.keepalive_interval)
+        .keep_alive_timeout(settings.keepalive_timeout)
         .keep_alive_while_idle(true)
         .tcp_nodelay(true))
 }

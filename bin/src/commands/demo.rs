@@ -5,14 +5,19 @@
 //! sidecar, makes the engine lose liveness with a call in flight, and prints a
 //! timeline of what an operator would see. Cleans up after itself.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+use llm_sidecar_loadgen::local::{free_loopback_addr, http_get, poll_until, record_files};
+
+/// How often the demo looks: often enough to time the withdrawal in milliseconds.
+const POLL: Duration = Duration::from_millis(2);
+
+/// How long the mock's control endpoint may take to answer.
+const HTTP_READ: Duration = Duration::from_secs(5);
 
 struct Demo {
     start: Instant,
@@ -38,53 +43,6 @@ impl Drop for Demo {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn free_addr() -> std::io::Result<SocketAddr> {
-    TcpListener::bind("127.0.0.1:0")?.local_addr()
-}
-
-fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: demo\r\n\r\n").ok()?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).ok()?;
-    Some(
-        raw.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default(),
-    )
-}
-
-fn wait_for(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if check() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    false
-}
-
-fn record_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "json") {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 fn spawn(exe: &Path, args: &[String], log: &Path) -> std::io::Result<Child> {
@@ -116,7 +74,7 @@ fn demo() -> Result<(), String> {
         dir: dir.clone(),
         children: Vec::new(),
     };
-    let addr = || free_addr().map_err(|e| format!("no free loopback port: {e}"));
+    let addr = || free_loopback_addr().map_err(|e| format!("no free loopback port: {e}"));
     let (engine, control, listen, admin) = (addr()?, addr()?, addr()?, addr()?);
     let discovery = dir.join("discovery");
     let sidecar_log = dir.join("sidecar.log");
@@ -169,7 +127,7 @@ fn demo() -> Result<(), String> {
     .map_err(|e| format!("cannot start the sidecar: {e}"))?;
     demo.children.push(sidecar);
 
-    if !wait_for(Duration::from_secs(30), || {
+    if !poll_until(Duration::from_secs(30), POLL, || {
         record_files(&discovery).len() == 1
     }) {
         return Err(format!(
@@ -235,8 +193,9 @@ fn demo() -> Result<(), String> {
     std::thread::sleep(Duration::from_millis(200));
     demo.say("a long call (200 tokens) is in flight; now the engine fails: its liveness turns NOT_SERVING");
     let flipped = Instant::now();
-    http_get(control, "/liveness?status=2").ok_or("the mock's control endpoint did not answer")?;
-    if !wait_for(Duration::from_secs(10), || !record.exists()) {
+    http_get(control, "/liveness?status=2", HTTP_READ)
+        .ok_or("the mock's control endpoint did not answer")?;
+    if !poll_until(Duration::from_secs(10), POLL, || !record.exists()) {
         return Err("the record was not withdrawn".into());
     }
     let withdrawn_after = flipped.elapsed();
@@ -273,7 +232,7 @@ fn demo() -> Result<(), String> {
     }
     let sidecar = demo.children.last_mut().ok_or("no sidecar")?;
     let mut code = None;
-    wait_for(Duration::from_secs(15), || {
+    poll_until(Duration::from_secs(15), POLL, || {
         code = sidecar.try_wait().ok().flatten().and_then(|s| s.code());
         code.is_some()
     });
@@ -296,7 +255,7 @@ fn demo() -> Result<(), String> {
          model, and the sidecar registers the new instance once it is ready. Exit 0 would mean a clean\n\
          shutdown after SIGTERM; 3, a start-up that never completed; 2, bad flags."
     );
-    let _ = http_get(control, "/stop");
+    let _ = http_get(control, "/stop", HTTP_READ);
     if code != 1 {
         return Err(format!(
             "expected exit code 1 after the engine loss, got {code}"

@@ -11,7 +11,7 @@ use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
-use crate::engine::{self, EngineProfile};
+use super::{EngineProfile, probe as probe_once, read_info};
 
 /// A stream that ended without trailers surfaces in tonic ≥ 0.14.6 as Unknown
 /// "missing grpc-status trailer": that is a stream end, not a failure.
@@ -101,7 +101,7 @@ pub(crate) async fn probe(
             _ = ticker.tick() => {}
         }
         let round = async {
-            let fresh = engine::probe(&profile, &channel, interval).await;
+            let fresh = probe_once(&profile, &channel, interval).await;
             let event = match fresh {
                 Ok(()) => Event::ProbeSucceeded,
                 Err(e) => Event::ProbeFailed {
@@ -109,7 +109,7 @@ pub(crate) async fn probe(
                 },
             };
             let _ = events.send(event).await;
-            if let Ok(info) = engine::read_info(&profile, &channel, interval).await {
+            if let Ok(info) = read_info(&profile, &channel, interval).await {
                 let _ = events
                     .send(Event::IdentityObserved {
                         identity: info.identity,

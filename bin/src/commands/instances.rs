@@ -1,0 +1,100 @@
+//! `llm-sidecar instances`: what discovery holds, as a table or JSON.
+
+use std::time::Duration;
+
+use clap::Args;
+use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed};
+
+use crate::cli::{EXIT_USAGE, EtcdTlsArgs};
+use crate::runtime::runtime;
+
+/// Flags of `llm-sidecar instances`.
+#[derive(Debug, Args)]
+pub struct InstancesArgs {
+    /// Where to look: file:<dir> or etcd://host:port[,...].
+    #[arg(
+        long,
+        env = "SIDECAR_DISCOVERY",
+        default_value = "file:.llm-sidecar/discovery"
+    )]
+    pub discovery: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub etcd_tls: EtcdTlsArgs,
+}
+
+/// `llm-sidecar instances`.
+pub fn run(args: InstancesArgs) -> i32 {
+    let uri = match DiscoveryUri::parse(&args.discovery) {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let etcd_tls = match args.etcd_tls.load() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let listed = runtime(None).block_on(async {
+        match &uri {
+            DiscoveryUri::File(dir) => FileDiscovery::new(dir.clone()).list().await,
+            DiscoveryUri::Etcd(endpoints) => {
+                let bound = Duration::from_secs(5);
+                EtcdDiscovery::new(
+                    endpoints.clone(),
+                    Duration::from_secs(10),
+                    bound,
+                    etcd_tls.as_ref(),
+                )?
+                .list()
+                .await
+            }
+        }
+    });
+    let listed = match listed {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot read {uri}: {e}");
+            return 1;
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&listed).unwrap_or_else(|_| "[]".into())
+        );
+        return 0;
+    }
+    if listed.is_empty() {
+        println!("no instances registered in {uri}");
+        return 0;
+    }
+    println!(
+        "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} REGISTERED",
+        "INSTANCE", "ENGINE", "ADDRESS", "PID", "MODEL", "VERSION"
+    );
+    for entry in &listed {
+        match &entry.content {
+            Listed::Record(r) => println!(
+                "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} {}",
+                r.instance_id,
+                r.engine.kind,
+                r.address,
+                r.pid,
+                r.model.name,
+                r.engine.version,
+                r.registered_at
+            ),
+            Listed::Invalid { error } => {
+                println!("{:<18} invalid record at {}: {error}", "-", entry.key)
+            }
+        }
+    }
+    0
+}

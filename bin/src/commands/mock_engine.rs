@@ -1,0 +1,98 @@
+//! `llm-sidecar mock-engine`: the CPU-only fake engine, for tests and demos.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::cli::{EXIT_USAGE, LogFormat, duration};
+use crate::runtime::{runtime, shutdown_signals};
+
+/// Flags of `llm-sidecar mock-engine`.
+#[derive(Debug, Args)]
+pub struct MockArgs {
+    /// gRPC listen address.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Control HTTP listen address (see the mock's control paths in the docs).
+    #[arg(long, default_value = "127.0.0.1:50052")]
+    pub control_listen: SocketAddr,
+    /// Model id reported by GetModelInfo.
+    #[arg(long, default_value = "mock/llama-3-8b-instruct")]
+    pub model_id: String,
+    /// Version reported by GetServerInfo.
+    #[arg(long, default_value = "1.0.0-mock")]
+    pub engine_version: String,
+    /// Backend reported by GetServerInfo.
+    #[arg(long, default_value = "pytorch")]
+    pub backend: String,
+    /// Max input length reported by GetModelInfo.
+    #[arg(long, default_value_t = 4096)]
+    pub max_input_len: i32,
+    /// Max sequence length reported by GetModelInfo.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: i32,
+    /// Delay before each generated token.
+    #[arg(long, default_value = "0ms", value_parser = duration)]
+    pub token_delay: Duration,
+    /// Serve no grpc.health.v1 at all (like an older engine).
+    #[arg(long, conflicts_with = "liveness_unregistered")]
+    pub no_health: bool,
+    /// Serve grpc.health.v1 without the liveness service until the control endpoint sets it.
+    #[arg(long)]
+    pub liveness_unregistered: bool,
+    /// Hold back the first message of every health Watch until the control
+    /// endpoint releases it (`/watch/hold?on=false`).
+    #[arg(long)]
+    pub hold_watch: bool,
+    /// Answer a health Watch on an unregistered service with NOT_FOUND (as
+    /// tonic-health does) instead of SERVICE_UNKNOWN (as grpcio does).
+    #[arg(long)]
+    pub watch_unknown_not_found: bool,
+    /// Append one line per Generate event (`seen`, `done`, `error`, `cancelled`,
+    /// `aborted`, then the request id) to this file: the engine's side of a call
+    /// account that survives the mock being killed.
+    #[arg(long)]
+    pub journal: Option<std::path::PathBuf>,
+    /// Log format (stderr).
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// `llm-sidecar mock-engine`.
+pub fn run(args: MockArgs) -> i32 {
+    use llm_sidecar_mock_engine::{HealthMode, MockConfig};
+    let config = MockConfig {
+        listen: args.listen,
+        control_listen: args.control_listen,
+        model_id: args.model_id,
+        version: args.engine_version,
+        backend: args.backend,
+        max_input_len: args.max_input_len,
+        max_seq_len: args.max_seq_len,
+        token_delay: args.token_delay,
+        journal: args.journal,
+        hold_watch: args.hold_watch,
+        watch_unknown_not_found: args.watch_unknown_not_found,
+        health: if args.no_health {
+            HealthMode::Absent
+        } else if args.liveness_unregistered {
+            HealthMode::LivenessUnregistered
+        } else {
+            HealthMode::Full
+        },
+    };
+    runtime(None).block_on(async move {
+        let mut signals = shutdown_signals();
+        let shutdown = async move {
+            signals.recv().await;
+        };
+        match llm_sidecar_mock_engine::run(config, shutdown).await {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("{e}");
+                EXIT_USAGE
+            }
+        }
+    })
+}

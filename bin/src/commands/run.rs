@@ -1,0 +1,212 @@
+//! `llm-sidecar run`: the production job.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use llm_sidecar_io::discovery::DiscoveryUri;
+use llm_sidecar_io::engine::{EngineKind, EngineProfile};
+use llm_sidecar_io::request_plane::Limits;
+use llm_sidecar_io::tls::ServerTlsFiles;
+use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_host_port, parse_key_segment};
+
+use crate::cli::{EXIT_USAGE, EngineKindArg, EtcdTlsArgs, LogFormat, duration};
+use crate::runtime::{runtime, shutdown_signals};
+
+/// Flags of `llm-sidecar run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The engine's gRPC address (host:port).
+    #[arg(
+        long,
+        env = "SIDECAR_ENGINE_ENDPOINT",
+        default_value = "127.0.0.1:50051"
+    )]
+    pub engine_endpoint: String,
+    /// Which engine runs beside the sidecar.
+    #[arg(
+        long,
+        env = "SIDECAR_ENGINE_KIND",
+        value_enum,
+        default_value = "trtllm"
+    )]
+    pub engine_kind: EngineKindArg,
+    /// Where clients (routers, gateways) call the sidecar (host:port to bind).
+    #[arg(long, env = "SIDECAR_LISTEN", default_value = "127.0.0.1:50061")]
+    pub listen: SocketAddr,
+    /// The address written to discovery for clients to call (default: --listen).
+    #[arg(long, env = "SIDECAR_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Admin HTTP server: /live, /ready, /state, /metrics. Keep it on loopback
+    /// unless something outside the pod must scrape it.
+    #[arg(long, env = "SIDECAR_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    pub admin_listen: SocketAddr,
+    /// Where the worker is registered: file:<dir> (embedded, one JSON file per
+    /// worker) or etcd://host:port[,host:port...].
+    #[arg(
+        long,
+        env = "SIDECAR_DISCOVERY",
+        default_value = "file:.llm-sidecar/discovery"
+    )]
+    pub discovery: String,
+    /// Discovery key: namespace.
+    #[arg(long, env = "SIDECAR_NAMESPACE", default_value = "dynamo")]
+    pub namespace: String,
+    /// Discovery key: component.
+    #[arg(long, env = "SIDECAR_COMPONENT", default_value = "backend")]
+    pub component: String,
+    /// Discovery key: endpoint.
+    #[arg(long, env = "SIDECAR_ENDPOINT", default_value = "generate")]
+    pub endpoint: String,
+    /// The grpc.health.v1 service watched for liveness (default: the engine's,
+    /// "liveness" for TensorRT-LLM).
+    #[arg(long, env = "SIDECAR_LIVENESS_SERVICE")]
+    pub liveness_service: Option<String>,
+    /// Bound on one connect attempt, one start-up call, one discovery write, and
+    /// the wait for the liveness Watch's first message.
+    #[arg(long, env = "SIDECAR_CONNECT_ATTEMPT_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub connect_attempt_timeout: Duration,
+    /// Pause between start-up attempts and between retries of a failed discovery write.
+    #[arg(long, env = "SIDECAR_RETRY_INTERVAL", default_value = "1s", value_parser = duration)]
+    pub retry_interval: Duration,
+    /// Start-up (engine ready and registered) must complete within this; else exit 3.
+    #[arg(long, env = "SIDECAR_STARTUP_DEADLINE", default_value = "30m", value_parser = duration)]
+    pub startup_deadline: Duration,
+    /// HTTP/2 keepalive ping interval on the engine connection. Must be above
+    /// 10s: engines answer more frequent pings with GOAWAY "too many pings".
+    #[arg(long, env = "SIDECAR_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = duration)]
+    pub keepalive_interval: Duration,
+    /// How long a keepalive ping may go unanswered before the connection (and
+    /// the engine) counts as dead.
+    #[arg(long, env = "SIDECAR_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub keepalive_timeout: Duration,
+    /// How often the stale-load probe (HealthCheck) and the identity re-read run.
+    #[arg(long, env = "SIDECAR_PROBE_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub probe_interval: Duration,
+    /// No fresh probe answer for this long means the engine is lost (wedged).
+    #[arg(long, env = "SIDECAR_STALE_AFTER", default_value = "30s", value_parser = duration)]
+    pub stale_after: Duration,
+    /// After SIGTERM, keep admitting calls this long (routers may not yet have
+    /// seen the withdrawal).
+    #[arg(long, env = "SIDECAR_ROUTER_GRACE", default_value = "5s", value_parser = duration)]
+    pub router_grace: Duration,
+    /// Once admission is closed, in-flight calls may take this long; the rest are cut.
+    #[arg(long, env = "SIDECAR_DRAIN_TIMEOUT", default_value = "20s", value_parser = duration)]
+    pub drain_timeout: Duration,
+    /// TTL of the etcd lease behind the record (kept alive at TTL/3).
+    #[arg(long, env = "SIDECAR_LEASE_TTL", default_value = "10s", value_parser = duration)]
+    pub lease_ttl: Duration,
+    /// Largest gRPC message the request plane forwards, either direction, in
+    /// bytes; a larger one fails that call with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "SIDECAR_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub max_message_bytes: u32,
+    /// Concurrent calls (HTTP/2 streams) one client connection may have open.
+    #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = 2048)]
+    pub max_concurrent_streams: u32,
+    /// Largest header list (metadata) a client may send, in bytes.
+    #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = 16 * 1024)]
+    pub max_header_list_bytes: u32,
+    /// Serve the request plane over TLS with this certificate chain (PEM, leaf
+    /// first). Needs --tls-key. Callers then connect with https:// and ALPN h2.
+    #[arg(long, env = "SIDECAR_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "SIDECAR_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates that chain to this CA bundle (PEM): mutual
+    /// TLS. A caller without one fails the handshake. Needs --tls-cert.
+    #[arg(long, env = "SIDECAR_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    #[command(flatten)]
+    pub etcd_tls: EtcdTlsArgs,
+    /// Threads of the async runtime. One is the default: the sidecar's work is
+    /// small beside the engine's, and one thread forwarded ~960k tokens/s in the
+    /// benchmark with the least CPU per message (docs/PERFORMANCE.md). Raise it
+    /// only for call rates far beyond what an engine produces.
+    #[arg(long, env = "SIDECAR_WORKER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: u16,
+    /// Log format (stderr).
+    #[arg(long, env = "SIDECAR_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl RunArgs {
+    /// Checks every flag and builds the settings, or says what is wrong.
+    pub fn into_config(self) -> Result<RunConfig, ConfigError> {
+        let engine = EngineProfile::of(match self.engine_kind {
+            EngineKindArg::Trtllm => EngineKind::Trtllm,
+        });
+        let timings = Timings {
+            connect_attempt_timeout: self.connect_attempt_timeout,
+            retry_interval: self.retry_interval,
+            startup_deadline: self.startup_deadline,
+            keepalive_interval: self.keepalive_interval,
+            keepalive_timeout: self.keepalive_timeout,
+            probe_interval: self.probe_interval,
+            stale_after: self.stale_after,
+            router_grace: self.router_grace,
+            drain_timeout: self.drain_timeout,
+            lease_ttl: self.lease_ttl,
+        };
+        timings.check()?;
+        let advertise = match self.advertise {
+            Some(a) => parse_host_port("--advertise", &a)?,
+            None => self.listen.to_string(),
+        };
+        let liveness_service = self
+            .liveness_service
+            .unwrap_or_else(|| engine.default_liveness_service().to_string());
+        Ok(RunConfig {
+            engine_endpoint: parse_host_port("--engine-endpoint", &self.engine_endpoint)?,
+            engine,
+            listen: self.listen,
+            advertise,
+            admin_listen: self.admin_listen,
+            discovery: DiscoveryUri::parse(&self.discovery)?,
+            namespace: parse_key_segment("--namespace", &self.namespace)?,
+            component: parse_key_segment("--component", &self.component)?,
+            endpoint: parse_key_segment("--endpoint", &self.endpoint)?,
+            liveness_service,
+            timings,
+            limits: Limits {
+                max_message_bytes: self.max_message_bytes.max(1),
+                max_concurrent_streams: self.max_concurrent_streams.max(1),
+                max_header_list_bytes: self.max_header_list_bytes.max(1024),
+            },
+            tls: match (self.tls_cert, self.tls_key) {
+                (Some(cert), Some(key)) => Some(
+                    ServerTlsFiles {
+                        cert,
+                        key,
+                        client_ca: self.tls_client_ca,
+                    }
+                    .load()?,
+                ),
+                _ => None,
+            },
+            etcd_tls: self.etcd_tls.load()?,
+        })
+    }
+}
+
+/// `llm-sidecar run`.
+pub fn run(args: RunArgs) -> i32 {
+    let worker_threads = args.worker_threads;
+    let config = match args.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    runtime(Some(worker_threads)).block_on(async move {
+        match llm_sidecar_io::run(config, shutdown_signals()).await {
+            Ok(code) => code.as_i32(),
+            Err(e) => {
+                tracing::error!("{e}");
+                EXIT_USAGE
+            }
+        }
+    })
+}

@@ -1,0 +1,43 @@
+//! The admin server's routes: `/live`, `/ready`, `/state`, `/metrics`.
+
+use std::sync::Arc;
+
+use super::http::{Handler, Request, Response};
+use super::metrics;
+use super::status::Shared;
+use crate::request_plane::Plane;
+
+/// The admin handler: reads the driver's published status and the request
+/// plane's counters; changes nothing.
+pub(crate) fn handler(status: Shared, plane: Arc<Plane>) -> Handler {
+    Arc::new(move |req: &Request| {
+        if req.method != "GET" && req.method != "HEAD" {
+            return Response::text(405, "only GET\n");
+        }
+        match req.path.as_str() {
+            // The process: 200 until it exits, whatever the engine does.
+            "/live" => status.read(|s| {
+                if s.live {
+                    Response::text(200, "live\n")
+                } else {
+                    Response::text(503, "exiting\n")
+                }
+            }),
+            // The worker: 200 only while Serving.
+            "/ready" => status.read(|s| {
+                if s.state == "Serving" {
+                    Response::text(200, "ready\n")
+                } else {
+                    Response::text(503, format!("not ready: {}\n", s.state))
+                }
+            }),
+            "/state" => Response::json(200, status.read(|s| s.state_json())),
+            "/metrics" => Response {
+                status: 200,
+                content_type: "text/plain; version=0.0.4",
+                body: status.read(|s| metrics::render(s, &plane.counters, plane.gate.in_flight())),
+            },
+            _ => Response::text(404, "not found; try /live, /ready, /state or /metrics\n"),
+        }
+    })
+}

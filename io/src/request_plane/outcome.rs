@@ -1,0 +1,99 @@
+//! How each call on the request plane ended, and the counters behind
+//! `/metrics` and the account logged at exit.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// How a call on the request plane ended. Every call that reaches the proxy ends
+/// in exactly one of these, so the sidecar's account reconciles with what the
+/// callers and the engine saw (docs/RELIABILITY.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CallOutcome {
+    /// Forwarded; the engine ended it with OK.
+    Ok,
+    /// Forwarded; the engine ended it with a status of its own, passed unchanged.
+    EngineStatus,
+    /// Admission was closed: UNAVAILABLE "draining", never forwarded.
+    Refused,
+    /// The caller went away (cancel, reset) before the call ended.
+    CancelledByCaller,
+    /// Still running at the drain deadline: UNAVAILABLE to the caller, reset to the engine.
+    CutAtDeadline,
+    /// The caller's `grpc-timeout` passed: DEADLINE_EXCEEDED.
+    DeadlineExceeded,
+    /// A message above `--max-message-bytes`: RESOURCE_EXHAUSTED.
+    TooLarge,
+    /// The engine could not be reached: UNAVAILABLE, retryable elsewhere.
+    EngineUnreachable,
+    /// The engine connection broke mid-call: UNAVAILABLE, retryable elsewhere.
+    EngineFailed,
+}
+
+impl CallOutcome {
+    /// Every outcome, in the order the metrics and the exit account list them.
+    pub(crate) const ALL: [CallOutcome; 9] = [
+        CallOutcome::Ok,
+        CallOutcome::EngineStatus,
+        CallOutcome::Refused,
+        CallOutcome::CancelledByCaller,
+        CallOutcome::CutAtDeadline,
+        CallOutcome::DeadlineExceeded,
+        CallOutcome::TooLarge,
+        CallOutcome::EngineUnreachable,
+        CallOutcome::EngineFailed,
+    ];
+
+    /// The metric label and the key in the exit account.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            CallOutcome::Ok => "ok",
+            CallOutcome::EngineStatus => "engine_status",
+            CallOutcome::Refused => "refused",
+            CallOutcome::CancelledByCaller => "cancelled_by_caller",
+            CallOutcome::CutAtDeadline => "cut_at_deadline",
+            CallOutcome::DeadlineExceeded => "deadline_exceeded",
+            CallOutcome::TooLarge => "too_large",
+            CallOutcome::EngineUnreachable => "engine_unreachable",
+            CallOutcome::EngineFailed => "engine_failed",
+        }
+    }
+
+    /// The outcome a `grpc-status` value from the engine means.
+    pub(crate) fn of_engine_status(value: Option<&http::HeaderValue>) -> CallOutcome {
+        match value.map(http::HeaderValue::as_bytes) {
+            Some(b"0") => CallOutcome::Ok,
+            _ => CallOutcome::EngineStatus,
+        }
+    }
+}
+
+/// Counters of the request plane, for `/metrics` and the account at exit.
+#[derive(Debug, Default)]
+pub(crate) struct CallCounters {
+    /// Calls let through the gate (forwarded or about to be).
+    pub(crate) admitted: AtomicU64,
+    /// Calls ended, indexed like [`CallOutcome::ALL`].
+    ended: [AtomicU64; CallOutcome::ALL.len()],
+    pub(crate) bytes_to_engine: AtomicU64,
+    pub(crate) bytes_to_caller: AtomicU64,
+}
+
+impl CallCounters {
+    pub(crate) fn record(&self, outcome: CallOutcome) {
+        self.ended[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Calls that ended with `outcome` so far.
+    pub(crate) fn ended(&self, outcome: CallOutcome) -> u64 {
+        self.ended[outcome as usize].load(Ordering::Relaxed)
+    }
+
+    /// One line with every counter, `key=value`, for the log at exit: the
+    /// sidecar's side of the reconciliation once its `/metrics` is gone.
+    pub(crate) fn account(&self) -> String {
+        let mut line = format!("admitted={}", self.admitted.load(Ordering::Relaxed));
+        for outcome in CallOutcome::ALL {
+            line.push_str(&format!(" {}={}", outcome.label(), self.ended(outcome)));
+        }
+        line
+    }
+}
