@@ -98,7 +98,8 @@ fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() 
                 }
                 let account = SidecarAccount::from_log(&text)
                     .unwrap_or_else(|| panic!("cycle {n} left no account:\n{text}"));
-                cycles.push((code, account));
+                let ended = text.contains("engine lost: liveness stream ended");
+                cycles.push((code, account, ended));
                 std::thread::sleep(Duration::from_millis(100));
             }
             cycles
@@ -141,7 +142,8 @@ fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() 
             m.proc.signal("KILL");
             kills += 1;
         } else {
-            // TensorRT-LLM's graceful stop: NOT_SERVING, then calls cancelled.
+            // TensorRT-LLM's graceful stop: the Watch ends, calls are cancelled
+            // after the grace.
             let _ = http_get(m.control, "/stop?grace_ms=300");
             stops += 1;
         }
@@ -157,29 +159,34 @@ fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() 
     let cycles = supervisor.join().expect("supervisor");
     let worst = watcher.join().expect("watcher");
     let ledger = load.stop();
-    let accounts: Vec<SidecarAccount> = cycles.iter().map(|(_, a)| a.clone()).collect();
+    let accounts: Vec<SidecarAccount> = cycles.iter().map(|(_, a, _)| a.clone()).collect();
     let report = reconcile_settled(&ledger, &journal, &SidecarAccount::sum(&accounts), false);
     let codes: Vec<String> = cycles
         .iter()
-        .map(|(c, _)| c.map_or("signal".into(), |c| c.to_string()))
+        .map(|(c, _, _)| c.map_or("signal".into(), |c| c.to_string()))
         .collect();
+    let stream_ends = cycles.iter().filter(|(_, _, ended)| *ended).count();
     println!(
         "churn {run_for:?}: {} sidecar cycles (exit codes {}), engine killed {kills}x and \
-         stopped gracefully {stops}x; longest record in front of a dead engine {worst:?}; {report}",
+         stopped gracefully {stops}x (\"liveness stream ended\" {stream_ends}x); longest record in front of a dead engine {worst:?}; {report}",
         cycles.len(),
         codes.join(",")
     );
     assert!(kills + stops >= 2, "the engine was lost at least twice");
     assert!(
-        cycles.iter().filter(|(c, _)| *c == Some(1)).count() >= 2,
+        cycles.iter().filter(|(c, _, _)| *c == Some(1)).count() >= 2,
         "the sidecar exited 1 for engine losses: {codes:?}"
     );
     assert_eq!(
-        cycles.last().map(|(c, _)| *c),
+        cycles.last().map(|(c, _, _)| *c),
         Some(Some(0)),
         "the last run was stopped by SIGTERM"
     );
     assert!(ledger.count("ok") > 0);
+    assert!(
+        stops == 0 || stream_ends > 0,
+        "a graceful engine stop shows as \"liveness stream ended\" ({stops} stops, {stream_ends} such losses)"
+    );
     assert!(
         worst < Duration::from_secs(5),
         "a record stayed in front of a dead engine for {worst:?}"

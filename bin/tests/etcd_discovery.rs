@@ -71,8 +71,8 @@ fn liveness_not_serving_deletes_the_key_while_running_then_exits_1() {
     mock.control("/liveness?status=2");
     wait_until(HANG, "the key to be deleted", || etcd.get(&key).is_none());
     assert!(
-        sidecar.proc.running(),
-        "the key is gone while the sidecar still drains its call"
+        sidecar.proc.running() && sidecar.metric("llm_sidecar_in_flight") == Some(1.0),
+        "the key is gone while the sidecar still runs and drains its call"
     );
     assert_eq!(bench_report(call)["calls_ok"], 1, "the call drained");
     assert_eq!(sidecar.proc.wait_exit(HANG), 1);

@@ -25,6 +25,8 @@
 // A wildcard arm could swallow an event or a state added later without a word;
 // every match on the core's own enums names every variant.
 #![deny(clippy::wildcard_enum_match_arm)]
+// The core reads no clock: `core/clippy.toml` lists the clock reads it may not make.
+#![deny(clippy::disallowed_methods)]
 
 mod action;
 mod config;
