@@ -15,4 +15,5 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
 cargo build --release --locked -p llm-sidecar
-cargo test --release --locked -p llm-sidecar --test perf -- --ignored --nocapture --test-threads 1 "${@}"
+# Arguments narrow the run to matching tests (e.g. proxy_cost); none: both benchmarks.
+cargo test --release --locked -p llm-sidecar --test process -- --ignored --nocapture --test-threads 1 "${@:-perf::}"

@@ -197,12 +197,12 @@ impl Driver {
             s.live = true;
             s.instance_id = instance_hex.clone();
         });
+        let connections = TaskTracker::new();
         tokio::spawn(admin::http::serve(
             admin_listener,
             admin::routes::handler(status.clone(), plane.clone()),
             root.child_token(),
         ));
-        let connections = TaskTracker::new();
         tokio::spawn(request_plane::serve(
             listener,
             config.tls.clone(),
@@ -210,11 +210,7 @@ impl Driver {
             root.child_token(),
             connections.clone(),
         ));
-
         let (ready_tx, ready) = mpsc::channel(1);
-        let (events_tx, events) = mpsc::channel(256);
-        let (lost_tx, lost) = mpsc::unbounded_channel();
-        let (ops_tx, ops_rx) = mpsc::unbounded_channel();
         tokio::spawn(engine::startup::wait_for_engine(
             config.engine,
             config.engine_endpoint.clone(),
@@ -224,31 +220,14 @@ impl Driver {
             ready_tx,
             root.child_token(),
         ));
-        let written = {
-            let status = status.clone();
-            move |location| status.update(|s| s.record_location = Some(location))
-        };
-        tokio::spawn(crate::discovery::worker::run(
+        let (events_tx, events) = mpsc::channel(256);
+        let (discovery_ops, lost) = spawn_discovery_worker(
             discovery,
-            ops_rx,
             events_tx.clone(),
-            lost_tx,
             config.timings.connect_attempt_timeout,
-            written,
-        ));
-        tracing::info!(
-            engine = %config.engine_endpoint,
-            discovery = %config.discovery,
-            admin = %config.admin_listen,
-            request_plane = match &config.tls {
-                None => "h2 plaintext",
-                Some(t) if t.mutual => "h2 over TLS, client certificates required",
-                Some(_) => "h2 over TLS",
-            },
-            "llm-sidecar starting: instance {instance_hex}, waiting for the {} engine at {}",
-            config.engine.display_name(),
-            config.engine_endpoint,
+            status.clone(),
         );
+        log_start(&config, &instance_hex);
         Ok(Driver {
             config,
             lifecycle,
@@ -268,7 +247,7 @@ impl Driver {
                 shutdown: Some(shutdown),
             },
             events: events_tx,
-            discovery_ops: ops_tx,
+            discovery_ops,
         })
     }
 
@@ -458,6 +437,43 @@ impl Driver {
         );
         code
     }
+}
+
+/// Starts the discovery worker; returns where to send it writes, and where it
+/// reports that the store dropped the record.
+fn spawn_discovery_worker<D: Discovery>(
+    discovery: Arc<D>,
+    events: mpsc::Sender<Event>,
+    bound: std::time::Duration,
+    status: Shared,
+) -> (
+    mpsc::UnboundedSender<DiscoveryOp>,
+    mpsc::UnboundedReceiver<()>,
+) {
+    let (ops_tx, ops_rx) = mpsc::unbounded_channel();
+    let (lost_tx, lost) = mpsc::unbounded_channel();
+    let written = move |location| status.update(|s| s.record_location = Some(location));
+    tokio::spawn(crate::discovery::worker::run(
+        discovery, ops_rx, events, lost_tx, bound, written,
+    ));
+    (ops_tx, lost)
+}
+
+/// The first line: who this is, what it waits for, where everything is.
+fn log_start(config: &RunConfig, instance_hex: &str) {
+    tracing::info!(
+        engine = %config.engine_endpoint,
+        discovery = %config.discovery,
+        admin = %config.admin_listen,
+        request_plane = match &config.tls {
+            None => "h2 plaintext",
+            Some(t) if t.mutual => "h2 over TLS, client certificates required",
+            Some(_) => "h2 over TLS",
+        },
+        "llm-sidecar starting: instance {instance_hex}, waiting for the {} engine at {}",
+        config.engine.display_name(),
+        config.engine_endpoint,
+    );
 }
 
 /// The worker's discovery record, as of now.

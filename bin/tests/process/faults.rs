@@ -3,14 +3,12 @@
 //! the engine's and the sidecar's counts reconcile exactly), and the worker
 //! never stays registered in front of an engine it knows is gone.
 
-mod support;
-
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use support::account::{Load, Shape, reconcile_settled};
-use support::relay::Relay;
-use support::*;
+use crate::support::account::{Load, Shape, reconcile_settled};
+use crate::support::relay::Relay;
+use crate::support::*;
 
 fn journaled_mock(dir: &TempDir, grpc: std::net::SocketAddr, extra: &[&str]) -> (Mock, PathBuf) {
     Mock::start_journaled(&dir.0, grpc, extra)
@@ -175,7 +173,7 @@ fn engine_restarted_on_its_port_with_a_new_identity_is_registered_anew() {
     assert_eq!(again.proc.wait_exit(HANG), 0);
     ledger.merge(load.stop());
     accounts.push(again.account());
-    let total = support::account::SidecarAccount::sum(&accounts);
+    let total = crate::support::account::SidecarAccount::sum(&accounts);
     let report = reconcile_settled(&ledger, &journal, &total, false);
     println!("engine restart: withdrawn {stale:?} after the kill; {report}");
 }

@@ -5,15 +5,13 @@
 //! gives the sidecar's memory before, at the peak and after each round: equal
 //! "after" figures mean the memory stays flat.
 //!
-//! CI runs it for 30 s; `LOAD_SECS=60 cargo test -p llm-sidecar --test load
+//! CI runs it for 30 s; `LOAD_SECS=60 cargo test -p llm-sidecar --test process load::
 //! -- --nocapture` is the full-length run, and `LOAD_ROUNDS=6` (default 2)
 //! splits it into more rounds to follow the memory after each.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// The caller connections the sidecar process still holds: its socket
 /// descriptors, by inode, that are a request-plane connection in the kernel's

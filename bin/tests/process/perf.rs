@@ -1,18 +1,16 @@
 //! Performance, side by side (issue 6). Measurements, not assertions.
 //!
 //! `bash scripts/bench.sh` runs both (it installs nginx and builds release first).
-//! Alone: `cargo test --release -p llm-sidecar --test perf -- --ignored --nocapture --test-threads 1`
+//! Alone: `cargo test --release -p llm-sidecar --test process perf:: -- --ignored --nocapture --test-threads 1`
 //! Knobs: PERF_SECS (5), PERF_REPS (3), PERF_STREAMS ("1,16,64,256"), DETECT_RUNS (20).
-
-mod support;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use support::etcd::Etcd;
-use support::*;
+use crate::support::etcd::Etcd;
+use crate::support::*;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)

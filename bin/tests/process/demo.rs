@@ -1,12 +1,10 @@
 //! `llm-sidecar demo`, exactly as the README runs it.
 
-mod support;
-
 use std::process::Command;
 
 #[test]
 fn the_demo_shows_the_whole_lifecycle_and_cleans_up() {
-    let out = Command::new(support::binary())
+    let out = Command::new(crate::support::binary())
         .arg("demo")
         .output()
         .expect("run the demo");

@@ -7,16 +7,14 @@
 //! CI runs it for 45 s; `CHURN_SECS=300 cargo test --release -p llm-sidecar
 //! --test churn -- --nocapture` is the full-length run.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use support::account::{Load, SidecarAccount, reconcile_settled};
-use support::*;
+use crate::support::account::{Load, SidecarAccount, reconcile_settled};
+use crate::support::*;
 
 fn secs(var: &str, default: u64) -> Duration {
     Duration::from_secs(
@@ -129,7 +127,7 @@ fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() 
         })
     };
 
-    let load = Load::start(listen, support::account::Shape::mixed("churn"));
+    let load = Load::start(listen, crate::support::account::Shape::mixed("churn"));
     let mut rng = Rng(0x5eed_1234_abcd_0042);
     let (mut kills, mut stops) = (0, 0);
     let start = Instant::now();

@@ -1,18 +1,16 @@
 //! The request plane as clients see it: calls through the sidecar behave as if
 //! they went to the engine, and nothing is lost when the worker drains.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
 use llm_sidecar_engine_api::trtllm::{
     GenerateRequest, GetModelInfoRequest, HealthCheckRequest, TokenizedInput,
 };
-use support::*;
 use tonic::Code;
 use tonic::transport::Channel;
 

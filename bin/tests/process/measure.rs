@@ -1,12 +1,10 @@
 //! Measurements, not assertions: run on request in release mode.
 //!
-//! `cargo test --release -p llm-sidecar --test measure -- --ignored --nocapture`
-
-mod support;
+//! `cargo test --release -p llm-sidecar --test process measure:: -- --ignored --nocapture`
 
 use std::time::{Duration, Instant};
 
-use support::*;
+use crate::support::*;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -67,7 +65,7 @@ fn liveness_flip_to_record_removal() {
 fn etcd_liveness_flip_to_key_deletion_and_killed_record_lifetime() {
     const RUNS: usize = 20;
     let dir = TempDir::new("measure-etcd");
-    let etcd = support::etcd::Etcd::started(&dir.0);
+    let etcd = crate::support::etcd::Etcd::started(&dir.0);
     let endpoint = etcd.endpoint();
     let mut samples = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {

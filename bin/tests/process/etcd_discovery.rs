@@ -1,12 +1,10 @@
 //! etcd discovery against a real etcd: leases, keepalive, withdrawal,
 //! re-registration after an outage, and start-up without etcd.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::etcd::Etcd;
-use support::*;
+use crate::support::etcd::Etcd;
+use crate::support::*;
 
 fn key_of(etcd: &Etcd) -> String {
     wait_until(HANG, "the key in etcd", || etcd.keys().len() == 1);
@@ -196,7 +194,7 @@ fn an_etcd_outage_longer_than_the_ttl_is_survived_with_a_fresh_lease() {
 
 #[test]
 fn an_etcd_outage_shorter_than_the_ttl_keeps_the_lease_and_loses_no_call() {
-    use support::account::{Load, Shape, reconcile_settled};
+    use crate::support::account::{Load, Shape, reconcile_settled};
     let dir = TempDir::new("etcd-blip");
     let etcd = Etcd::started(&dir.0);
     let (mock, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);

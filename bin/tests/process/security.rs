@@ -2,12 +2,10 @@
 //! certificates, TLS files checked before anything is contacted, and the
 //! admin server's exposure.
 
-mod support;
-
 use std::time::Duration;
 
-use support::account::{Load, Shape, reconcile_settled};
-use support::*;
+use crate::support::account::{Load, Shape, reconcile_settled};
+use crate::support::*;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 fn tls_client(certs: &Certs, identity: Option<&str>) -> ClientTlsConfig {
@@ -254,7 +252,7 @@ fn the_admin_server_is_on_loopback_by_default_and_shows_no_secrets() {
 fn etcd_over_tls_with_a_client_certificate() {
     let dir = TempDir::new("etcd-tls");
     let certs = Certs::make(&dir.0);
-    let etcd = support::etcd::Etcd::started_tls(&dir.0, &certs);
+    let etcd = crate::support::etcd::Etcd::started_tls(&dir.0, &certs);
     let mock = Mock::start(&dir.0, free_addr(), &[]);
     let endpoint = etcd.endpoint();
     let (ca, cert, key) = (

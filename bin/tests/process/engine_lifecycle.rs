@@ -1,11 +1,9 @@
 //! The sidecar against a real (mock) engine on loopback: start-up, every kind
 //! of engine loss, signals, deadlines and bad flags, as an operator sees them.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// Checks a loss the way an operator would: the exact ERROR line, the record
 /// withdrawn before the process ended, exit code 1.
