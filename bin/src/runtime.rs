@@ -56,29 +56,78 @@ pub fn runtime(worker_threads: Option<u16>) -> tokio::runtime::Runtime {
     std::process::exit(EXIT_RUNTIME);
 }
 
-/// One item per SIGTERM or SIGINT, for as long as the process runs.
+/// The signals that start the SIGTERM path (withdraw, router grace, drain,
+/// exit 0): a supervisor's stop (TERM), an operator's (INT, QUIT), a lost
+/// terminal or a reload that this sidecar does not support (HUP), the CPU-time
+/// soft limit (XCPU, before the kernel's SIGKILL) and a power failure (PWR).
+const STOP: [(i32, &str); 6] = [
+    (15, "SIGTERM"),
+    (2, "SIGINT"),
+    (1, "SIGHUP"),
+    (3, "SIGQUIT"),
+    (24, "SIGXCPU"),
+    (30, "SIGPWR"),
+];
+
+/// The signals whose default action would end the process without a word or
+/// a withdrawal, and that mean nothing to the sidecar: they are ignored, with
+/// one WARN per kind. (SIGPIPE is ignored by Rust's runtime already: a write
+/// to a closed socket is an error, not a death. The fault signals SIGSEGV,
+/// SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP and SIGSYS mean the process itself
+/// is broken and keep their default.)
+const IGNORED: [(i32, &str); 8] = [
+    (10, "SIGUSR1"),
+    (12, "SIGUSR2"),
+    (14, "SIGALRM"),
+    (16, "SIGSTKFLT"),
+    (25, "SIGXFSZ"),
+    (26, "SIGVTALRM"),
+    (27, "SIGPROF"),
+    (29, "SIGIO"),
+];
+
+/// The real-time signals (glibc keeps 32 and 33 for itself); their default
+/// action ends the process too, so they are ignored like the ones above.
+const REALTIME: std::ops::RangeInclusive<i32> = 34..=64;
+
+/// One item per stop signal, for as long as the process runs; the ignored
+/// signals are caught (and said once) so that none of them ends the process.
 pub fn shutdown_signals() -> mpsc::UnboundedReceiver<()> {
+    use tokio::signal::unix::{SignalKind, signal};
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!(
-                "cannot install SIGTERM/SIGINT handlers; stop the sidecar with SIGKILL"
-            );
-            return;
+    for (number, name) in STOP {
+        let Ok(mut stream) = signal(SignalKind::from_raw(number)) else {
+            tracing::error!("cannot install a {name} handler; stop the sidecar with SIGTERM");
+            continue;
         };
-        loop {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                tracing::info!("{name} received");
+                if tx.send(()).is_err() {
+                    return;
+                }
             }
-            if tx.send(()).is_err() {
-                return;
+        });
+    }
+    let realtime = REALTIME.map(|n| (n, "a real-time signal"));
+    for (number, name) in IGNORED.into_iter().chain(realtime) {
+        let Ok(mut stream) = signal(SignalKind::from_raw(number)) else {
+            continue;
+        };
+        tokio::spawn(async move {
+            let mut said = false;
+            while stream.recv().await.is_some() {
+                if !said {
+                    said = true;
+                    tracing::warn!(
+                        signal = number,
+                        "ignoring {name} ({number}): it means nothing to the sidecar; stop it \
+                         with SIGTERM"
+                    );
+                }
             }
-        }
-    });
+        });
+    }
     rx
 }

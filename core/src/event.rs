@@ -20,8 +20,12 @@ pub enum Event {
         /// What the discovery backend said.
         error: String,
     },
-    /// Discovery dropped our record on its own (an etcd lease expired).
-    RegistrationLost,
+    /// Discovery dropped our record on its own (an etcd lease expired, someone
+    /// removed the record).
+    RegistrationLost {
+        /// What happened, for the log line ("its lease expired", …).
+        cause: String,
+    },
     /// The oldest outstanding `Withdraw` action succeeded: the record is gone.
     Withdrawn,
     /// The oldest outstanding `Withdraw` action failed; the record may still be there.

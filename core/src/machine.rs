@@ -257,7 +257,7 @@ impl Worker {
                     self.discovery_failed(step, "withdrawing", error);
                 }
             }
-            Event::RegistrationLost => {
+            Event::RegistrationLost { .. } => {
                 self.book.maybe_present = false;
             }
             Event::EngineReady { .. }
@@ -382,7 +382,7 @@ impl Worker {
             Event::EngineReady { .. }
             | Event::Registered
             | Event::RegistrationFailed { .. }
-            | Event::RegistrationLost
+            | Event::RegistrationLost { .. }
             | Event::Withdrawn
             | Event::WithdrawFailed { .. }
             | Event::ShutdownSignal
@@ -404,7 +404,7 @@ impl Worker {
                 Event::EngineReady { .. }
                 | Event::Registered
                 | Event::RegistrationFailed { .. }
-                | Event::RegistrationLost
+                | Event::RegistrationLost { .. }
                 | Event::Withdrawn
                 | Event::WithdrawFailed { .. }
                 | Event::Liveness(_)
@@ -526,7 +526,7 @@ impl Worker {
                 Handled
             }
             Event::RegistrationFailed { .. }
-            | Event::RegistrationLost
+            | Event::RegistrationLost { .. }
             | Event::Withdrawn
             | Event::WithdrawFailed { .. }
             | Event::Liveness(_)
@@ -558,11 +558,11 @@ impl Worker {
         };
         match happened {
             Event::Registered => Handled,
-            Event::RegistrationLost => {
+            Event::RegistrationLost { cause } => {
                 context.log(
                     Level::Warn,
                     format!(
-                        "discovery dropped instance {} (lease lost); registering again",
+                        "discovery dropped instance {} ({cause}); registering again",
                         self.instance()
                     ),
                 );
@@ -642,7 +642,7 @@ impl Worker {
                 Event::EngineReady { .. }
                 | Event::Registered
                 | Event::RegistrationFailed { .. }
-                | Event::RegistrationLost
+                | Event::RegistrationLost { .. }
                 | Event::Withdrawn
                 | Event::WithdrawFailed { .. }
                 | Event::Liveness(_)
@@ -682,7 +682,7 @@ impl Worker {
                 Event::EngineReady { .. }
                 | Event::Registered
                 | Event::RegistrationFailed { .. }
-                | Event::RegistrationLost
+                | Event::RegistrationLost { .. }
                 | Event::Withdrawn
                 | Event::WithdrawFailed { .. }
                 | Event::Liveness(_)
@@ -839,7 +839,7 @@ impl Worker {
                 | Event::RegistrationFailed { .. }
                 | Event::Withdrawn
                 | Event::WithdrawFailed { .. }
-                | Event::RegistrationLost,
+                | Event::RegistrationLost { .. },
             ) => {
                 self.retry_withdraw_if_due(context);
                 self.withdraw_again_if_registered(context);

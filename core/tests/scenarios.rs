@@ -1,4 +1,4 @@
-//! The lifecycle paths of DESIGN §2, one readable scenario each. The property
+//! The lifecycle paths of docs/CONTRACT.md, one readable scenario each. The property
 //! tests, the explorer and the fuzzer check the invariants on every path; these
 //! pin the exact actions and lines of the common ones.
 
@@ -323,8 +323,17 @@ fn unsupported_liveness_warns_once_and_keeps_serving() {
 fn lost_lease_is_registered_again() {
     let mut d = Driver::new();
     d.serving();
-    let a = d.feed(secs(2), Event::RegistrationLost);
+    let a = d.feed(
+        secs(2),
+        Event::RegistrationLost {
+            cause: "its lease expired".into(),
+        },
+    );
     assert_eq!(without_logs(&a), vec![Action::Register]);
+    assert_eq!(
+        lines(&a, Level::Warn),
+        vec!["discovery dropped instance abc (its lease expired); registering again"]
+    );
     d.feed(secs(2), Event::Registered);
     assert_eq!(d.lc.phase(), Phase::Serving);
 }

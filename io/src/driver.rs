@@ -72,7 +72,7 @@ pub async fn run(
 ) -> Result<ExitReason, RunError> {
     match config.discovery.clone() {
         DiscoveryUri::File(dir) => {
-            let discovery = Arc::new(FileDiscovery::new(dir));
+            let discovery = Arc::new(FileDiscovery::new(dir, config.timings.retry_interval));
             Ok(Driver::start(config, discovery, shutdown)
                 .await?
                 .drive()
@@ -103,8 +103,9 @@ enum Input {
     EngineReady(EngineReady),
     /// A monitor or the discovery worker reported something.
     Event(Event),
-    /// Discovery dropped the record on its own (an etcd lease expired).
-    RegistrationLost,
+    /// Discovery dropped the record on its own (an etcd lease expired, the
+    /// record was removed), and why.
+    RegistrationLost(String),
     /// SIGTERM or SIGINT.
     Signal,
     /// The signal source is gone; no more signals will come.
@@ -119,7 +120,7 @@ enum Input {
 struct Inputs {
     ready: mpsc::Receiver<EngineReady>,
     events: mpsc::Receiver<Event>,
-    lost: mpsc::UnboundedReceiver<()>,
+    lost: mpsc::UnboundedReceiver<String>,
     /// `None` once the signal source has closed.
     shutdown: Option<mpsc::UnboundedReceiver<()>>,
 }
@@ -163,10 +164,12 @@ struct Driver {
 impl Driver {
     /// Binds the listeners and starts every task; nothing is decided yet.
     async fn start<D: Discovery>(
-        config: RunConfig,
+        mut config: RunConfig,
         discovery: Arc<D>,
         shutdown: mpsc::UnboundedReceiver<()>,
     ) -> Result<Driver, RunError> {
+        config.limits.max_connections =
+            crate::net::room_for_connections(config.limits.max_connections);
         let admin_listener = crate::net::bind("admin", config.admin_listen).await?;
         let listener = crate::net::bind("request plane", config.listen).await?;
         let engine_endpoint =
@@ -177,8 +180,14 @@ impl Driver {
                 },
             )?;
         let own_health = OwnHealth::new(config.engine.service_name());
+        let stream_limit = engine::StreamLimit::default();
+        let pool = request_plane::EnginePool::new(
+            engine_endpoint.clone(),
+            stream_limit.clone(),
+            config.limits.engine_connections as usize,
+        );
         let plane = Arc::new(Plane::new(
-            engine_endpoint.connect_lazy(),
+            pool,
             &own_health,
             config.engine.health_rpc_path(),
             config.limits,
@@ -211,12 +220,16 @@ impl Driver {
             connections.clone(),
         ));
         let (ready_tx, ready) = mpsc::channel(1);
+        let wait = engine::startup::StartupWait {
+            profile: config.engine,
+            address: config.engine_endpoint.clone(),
+            endpoint: engine_endpoint,
+            limit: stream_limit,
+            attempt_bound: config.timings.connect_attempt_timeout,
+            retry_interval: config.timings.retry_interval,
+        };
         tokio::spawn(engine::startup::wait_for_engine(
-            config.engine,
-            config.engine_endpoint.clone(),
-            engine_endpoint,
-            config.timings.connect_attempt_timeout,
-            config.timings.retry_interval,
+            wait,
             ready_tx,
             root.child_token(),
         ));
@@ -328,7 +341,7 @@ impl Driver {
         tokio::select! {
             Some(ready) = inputs.ready.recv() => Input::EngineReady(ready),
             Some(event) = inputs.events.recv() => Input::Event(event),
-            Some(()) = inputs.lost.recv() => Input::RegistrationLost,
+            Some(cause) = inputs.lost.recv() => Input::RegistrationLost(cause),
             signal = signal => match signal {
                 Some(()) => Input::Signal,
                 None => Input::SignalsClosed,
@@ -360,7 +373,7 @@ impl Driver {
                 self.status.note_event(&event);
                 event
             }
-            Input::RegistrationLost => Event::RegistrationLost,
+            Input::RegistrationLost(cause) => Event::RegistrationLost { cause },
             Input::Signal => {
                 tracing::info!("received a shutdown signal");
                 Event::ShutdownSignal
@@ -448,7 +461,7 @@ fn spawn_discovery_worker<D: Discovery>(
     status: Shared,
 ) -> (
     mpsc::UnboundedSender<DiscoveryOp>,
-    mpsc::UnboundedReceiver<()>,
+    mpsc::UnboundedReceiver<String>,
 ) {
     let (ops_tx, ops_rx) = mpsc::unbounded_channel();
     let (lost_tx, lost) = mpsc::unbounded_channel();

@@ -18,6 +18,7 @@ pub mod discovery;
 mod driver;
 pub mod engine;
 mod exit_bounds;
+mod h2_frames;
 pub mod net;
 pub mod parse;
 pub mod report;

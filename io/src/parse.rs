@@ -133,8 +133,14 @@ pub fn parse_host_port(flag: &'static str, value: &str) -> Result<String, Config
     if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
         return Err(err("write IPv6 addresses in brackets, like [::1]:50051"));
     }
-    if host.chars().any(|c| c.is_whitespace() || c == '/') {
-        return Err(err("the host may not contain spaces or '/'"));
+    if host
+        .chars()
+        .any(|c| !c.is_ascii_graphic() || "/\\?#@\"'<>`".contains(c))
+    {
+        return Err(err(
+            "the host may hold only letters, digits and . - _ : [ ] (no spaces, control \
+             characters or URL punctuation)",
+        ));
     }
     match port.parse::<u16>() {
         Ok(0) | Err(_) => Err(err("the port must be a number from 1 to 65535")),
@@ -199,6 +205,10 @@ mod tests {
             "host:70000",
             "::1:50051",
             "a b:1",
+            "evil\n:1",
+            "e\u{1b}[2J:1",
+            "h\u{e9}:1",
+            "a/b:1",
         ] {
             assert!(
                 parse_host_port("--x", bad).is_err(),

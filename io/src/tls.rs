@@ -53,9 +53,26 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads a PEM file whole.
+/// PEM files are certificates and keys: kilobytes. A larger one is not one.
+const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// Reads a PEM file whole: a regular file (not a FIFO that would block, nor a
+/// device that never ends) of at most 1 MiB.
 pub fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, ConfigError> {
-    std::fs::read(path).map_err(|e| tls_error(flag, path, format!("cannot read: {e}")))
+    use std::io::Read;
+    let meta =
+        std::fs::metadata(path).map_err(|e| tls_error(flag, path, format!("cannot read: {e}")))?;
+    if !meta.is_file() {
+        return Err(tls_error(flag, path, "not a regular file"));
+    }
+    if meta.len() > MAX_PEM_BYTES {
+        return Err(tls_error(flag, path, "larger than 1 MiB; not a PEM file"));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_PEM_BYTES).read_to_end(&mut bytes))
+        .map_err(|e| tls_error(flag, path, format!("cannot read: {e}")))?;
+    Ok(bytes)
 }
 
 /// Every certificate in a PEM file; at least one.

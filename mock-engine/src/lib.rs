@@ -68,6 +68,8 @@ pub struct MockConfig {
     /// A Watch on an unregistered service fails NOT_FOUND at once, as
     /// tonic-health's server does, instead of sending SERVICE_UNKNOWN.
     pub watch_unknown_not_found: bool,
+    /// SETTINGS_MAX_CONCURRENT_STREAMS of the gRPC server (`None`: unlimited).
+    pub max_concurrent_streams: Option<u32>,
 }
 
 /// How HealthCheck answers.
@@ -246,6 +248,7 @@ pub async fn run(
     };
     let mut router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .max_concurrent_streams(config.max_concurrent_streams)
         .add_service(TrtllmServiceServer::new(service::Engine {
             state: state.clone(),
         }));

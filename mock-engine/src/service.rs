@@ -41,6 +41,12 @@ fn seed_of(request: &GenerateRequest) -> u64 {
     seed
 }
 
+/// `big-headers:<bytes>` as a request id makes Generate answer with response
+/// headers of about that size (one `x-big` header) before its tokens.
+fn requested_header_bytes(request_id: &str) -> Option<usize> {
+    request_id.strip_prefix("big-headers:")?.parse().ok()
+}
+
 /// `error:<code>:<message>` as a request id makes Generate fail with that status
 /// and an `x-engine-error` trailer, so tests can check that errors pass unchanged.
 fn requested_error(request_id: &str) -> Option<Status> {
@@ -74,6 +80,7 @@ impl TrtllmService for Engine {
             state.journal("error", &request.request_id);
             return Err(status);
         }
+        let big_headers = requested_header_bytes(&request.request_id);
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let delay = state.config.token_delay;
         tokio::spawn(async move {
@@ -141,7 +148,13 @@ impl TrtllmService for Engine {
                 .generate_completed
                 .fetch_add(1, Ordering::Relaxed);
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let mut response = Response::new(ReceiverStream::new(rx));
+        if let Some(bytes) = big_headers
+            && let Ok(value) = MetadataValue::try_from("a".repeat(bytes))
+        {
+            response.metadata_mut().insert("x-big", value);
+        }
+        Ok(response)
     }
 
     async fn health_check(

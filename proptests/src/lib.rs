@@ -217,9 +217,14 @@ impl World {
                     error: "store refused".into(),
                 },
             ),
-            A::RegistrationLost => {
-                (self.record || self.exited).then_some(Input::Event(now, Event::RegistrationLost))
-            }
+            A::RegistrationLost => (self.record || self.exited).then(|| {
+                Input::Event(
+                    now,
+                    Event::RegistrationLost {
+                        cause: "its lease expired".into(),
+                    },
+                )
+            }),
             A::Withdrawn => answer(Op::Withdraw, Event::Withdrawn),
             A::WithdrawFailed => answer(
                 Op::Withdraw,
@@ -331,7 +336,7 @@ impl World {
                     self.ops.pop_front();
                 }
             }
-            Some(Event::RegistrationLost) => self.record = false,
+            Some(Event::RegistrationLost { .. }) => self.record = false,
             Some(Event::InFlightChanged { count }) if !self.exited => self.in_flight = *count,
             Some(_) | None => {}
         }

@@ -1,6 +1,6 @@
 //! Model-based test: a deliberately small reference model (phase, a few
 //! booleans, the expected exit code) against the real statig machine, compared
-//! after every step, with the DESIGN §2 invariant checker running underneath.
+//! after every step, with the invariant checker (docs/CONTRACT.md) running underneath.
 //!
 //! The model has no clock. Its configuration makes timer order obvious: the
 //! discovery retry (1 ms) always fires before anything else, and sequences are

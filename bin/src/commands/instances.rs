@@ -43,7 +43,12 @@ pub fn run(args: InstancesArgs) -> i32 {
     };
     let listed = runtime(None).block_on(async {
         match &uri {
-            DiscoveryUri::File(dir) => FileDiscovery::new(dir.clone()).list().await,
+            DiscoveryUri::File(dir) => {
+                // Listing registers nothing, so the guard interval is never used.
+                FileDiscovery::new(dir.clone(), Duration::from_secs(1))
+                    .list()
+                    .await
+            }
             DiscoveryUri::Etcd(endpoints) => {
                 let bound = Duration::from_secs(5);
                 EtcdDiscovery::new(
@@ -83,18 +88,49 @@ pub fn run(args: InstancesArgs) -> i32 {
         match &entry.content {
             Listed::Record(r) => println!(
                 "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} {}",
-                r.instance_id,
-                r.engine.kind,
-                r.address,
+                shown(&r.instance_id),
+                shown(&r.engine.kind),
+                shown(&r.address),
                 r.pid,
-                r.model.name,
-                r.engine.version,
-                r.registered_at
+                shown(&r.model.name),
+                shown(&r.engine.version),
+                shown(&r.registered_at)
             ),
-            Listed::Invalid { error } => {
-                println!("{:<18} invalid record at {}: {error}", "-", entry.key)
-            }
+            Listed::Invalid { error } => println!(
+                "{:<18} invalid record at {}: {}",
+                "-",
+                shown(&entry.key),
+                shown(error)
+            ),
         }
     }
     0
+}
+
+/// A value from a record as the table shows it: control characters (a
+/// newline, an escape sequence) escaped, so a record cannot forge rows or
+/// repaint the terminal.
+fn shown(value: &str) -> String {
+    value
+        .chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(shown("a\nb\u{1b}[2J"), "a\\nb\\u{1b}[2J");
+        assert_eq!(shown("model-7b"), "model-7b");
+    }
 }

@@ -49,6 +49,10 @@ pub struct MockArgs {
     /// tonic-health does) instead of SERVICE_UNKNOWN (as grpcio does).
     #[arg(long)]
     pub watch_unknown_not_found: bool,
+    /// Streams the gRPC server allows per connection (HTTP/2 SETTINGS); none:
+    /// unlimited.
+    #[arg(long)]
+    pub max_concurrent_streams: Option<u32>,
     /// Append one line per Generate event (`seen`, `done`, `error`, `cancelled`,
     /// `aborted`, then the request id) to this file: the engine's side of a call
     /// account that survives the mock being killed.
@@ -74,6 +78,7 @@ pub fn run(args: MockArgs) -> i32 {
         journal: args.journal,
         hold_watch: args.hold_watch,
         watch_unknown_not_found: args.watch_unknown_not_found,
+        max_concurrent_streams: args.max_concurrent_streams,
         health: if args.no_health {
             HealthMode::Absent
         } else if args.liveness_unregistered {

@@ -104,9 +104,31 @@ pub struct RunArgs {
     /// Concurrent calls (HTTP/2 streams) one client connection may have open.
     #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = 2048)]
     pub max_concurrent_streams: u32,
-    /// Largest header list (metadata) a client may send, in bytes.
+    /// Largest header list (metadata) a client may send, and an engine answer
+    /// may carry back (headers, trailers), in bytes; at least 1024.
     #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = 16 * 1024)]
     pub max_header_list_bytes: u32,
+    /// Caller connections open at once; a new one past it is closed at once.
+    /// The open-file limit is raised to fit them when the hard limit allows.
+    #[arg(long, env = "SIDECAR_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: u32,
+    /// How long a new caller connection has (after TLS) to send the HTTP/2
+    /// preface and its first frame; silent connections are closed.
+    #[arg(long, env = "SIDECAR_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub handshake_timeout: Duration,
+    /// A caller connection with no call open this long gets GOAWAY (callers
+    /// reconnect when they next call).
+    #[arg(long, env = "SIDECAR_IDLE_TIMEOUT", default_value = "5m", value_parser = duration)]
+    pub idle_timeout: Duration,
+    /// Control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM,
+    /// empty DATA) a caller connection may send per second, beyond 10 per frame
+    /// of real work; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
+    #[arg(long, env = "SIDECAR_CONTROL_FRAME_BUDGET", default_value_t = 1000)]
+    pub control_frame_budget: u32,
+    /// HTTP/2 connections to the engine at most: another opens only when every
+    /// open one carries as many calls as the engine allows per connection.
+    #[arg(long, env = "SIDECAR_ENGINE_CONNECTIONS", default_value_t = 4)]
+    pub engine_connections: u32,
     /// Serve the request plane over TLS with this certificate chain (PEM, leaf
     /// first). Needs --tls-key. Callers then connect with https:// and ALPN h2.
     #[arg(long, env = "SIDECAR_TLS_CERT", requires = "tls_key")]
@@ -154,6 +176,19 @@ impl RunArgs {
             Some(a) => parse_host_port("--advertise", &a)?,
             None => self.listen.to_string(),
         };
+        let limits = Limits {
+            max_message_bytes: self.max_message_bytes,
+            max_concurrent_streams: self.max_concurrent_streams,
+            max_header_list_bytes: self.max_header_list_bytes,
+            max_connections: self.max_connections,
+            handshake_timeout: self.handshake_timeout,
+            idle_timeout: self.idle_timeout,
+            control_frame_budget: self.control_frame_budget,
+            engine_connections: self.engine_connections,
+        };
+        limits.check()?;
+        let discovery = DiscoveryUri::parse(&self.discovery)?;
+        discovery.check_local()?;
         let liveness_service = self
             .liveness_service
             .unwrap_or_else(|| engine.default_liveness_service().to_string());
@@ -163,17 +198,13 @@ impl RunArgs {
             listen: self.listen,
             advertise,
             admin_listen: self.admin_listen,
-            discovery: DiscoveryUri::parse(&self.discovery)?,
+            discovery,
             namespace: parse_key_segment("--namespace", &self.namespace)?,
             component: parse_key_segment("--component", &self.component)?,
             endpoint: parse_key_segment("--endpoint", &self.endpoint)?,
             liveness_service,
             timings,
-            limits: Limits {
-                max_message_bytes: self.max_message_bytes.max(1),
-                max_concurrent_streams: self.max_concurrent_streams.max(1),
-                max_header_list_bytes: self.max_header_list_bytes.max(1024),
-            },
+            limits,
             tls: match (self.tls_cert, self.tls_key) {
                 (Some(cert), Some(key)) => Some(
                     ServerTlsFiles {

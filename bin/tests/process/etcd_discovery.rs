@@ -283,3 +283,25 @@ fn sigterm_deletes_the_key_and_revokes_the_lease_then_exits_0() {
     );
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+#[test]
+fn a_key_deleted_by_someone_else_is_put_again() {
+    let dir = TempDir::new("etcd-deleted");
+    let etcd = Etcd::started(&dir.0);
+    let (_mock, mut sidecar, key) = serving_on_etcd(&dir, &etcd, &["--lease-ttl", "3s"]);
+    let lease = etcd.get(&key).expect("the key").lease;
+    etcd.delete(&key);
+    let warn = sidecar
+        .proc
+        .wait_for_line("(its key was deleted); registering again", HANG);
+    assert!(warn.contains("WARN"), "{warn}");
+    wait_until(HANG, "the key to be put again", || etcd.get(&key).is_some());
+    assert_ne!(
+        etcd.get(&key).map(|e| e.lease),
+        Some(lease),
+        "under a fresh lease"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(etcd.get(&key).is_none());
+}

@@ -13,6 +13,7 @@ mod demo;
 mod engine_lifecycle;
 mod etcd_discovery;
 mod faults;
+mod hardening;
 mod load;
 mod measure;
 mod perf;

@@ -4,11 +4,13 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -116,16 +118,34 @@ pub fn parse_query(query: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A client has this long to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One connection lives at most this long (a scraper's keep-alive included):
+/// nobody can hold the admin port open for ever.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
+/// Connections served at once; more are closed at once. The admin port is for
+/// a few probes and a scraper.
+const MAX_CONNECTIONS: usize = 64;
+
 /// Serves `handler` on `listener` until `cancel` fires.
 pub async fn serve(listener: TcpListener, handler: Handler, cancel: CancellationToken) {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let accepted = tokio::select! {
             () = cancel.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         let Ok((stream, _)) = accepted else { continue };
+        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            open.fetch_sub(1, Ordering::AcqRel);
+            drop(stream);
+            continue;
+        }
         let handler = handler.clone();
         let cancel = cancel.clone();
+        let open = open.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
@@ -142,12 +162,15 @@ pub async fn serve(listener: TcpListener, handler: Handler, cancel: Cancellation
                 }
             });
             let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(16 * 1024)
                 .serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 () = cancel.cancelled() => {}
-                _ = conn => {}
+                _ = tokio::time::timeout(CONNECTION_LIFETIME, conn) => {}
             }
+            open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }

@@ -7,8 +7,14 @@ use super::status::Status;
 use crate::request_plane::{CallCounters, CallOutcome};
 
 /// The Prometheus text of `/metrics`: the lifecycle's view from `status`, the
-/// request plane's counters from `calls`.
-pub(crate) fn render(status: &Status, calls: &CallCounters, in_flight: u64) -> String {
+/// request plane's counters from `calls`, and its caller connections (open,
+/// refused).
+pub(crate) fn render(
+    status: &Status,
+    calls: &CallCounters,
+    in_flight: u64,
+    connections: (usize, u64),
+) -> String {
     let mut m = String::new();
     let states = ["Starting", "Serving", "Draining", "Lost", "Exited"]
         .map(|s| (s, u8::from(status.state == s)));
@@ -70,6 +76,18 @@ pub(crate) fn render(status: &Status, calls: &CallCounters, in_flight: u64) -> S
         "Calls on the request plane that ended, by outcome.",
         CallOutcome::ALL.map(|o| (o.label(), calls.ended(o))),
     );
+    scalar(
+        &mut m,
+        ("llm_sidecar_caller_connections", "gauge"),
+        "Caller connections open on the request plane.",
+        connections.0,
+    );
+    scalar(
+        &mut m,
+        ("llm_sidecar_caller_connections_refused_total", "counter"),
+        "Caller connections closed at once because --max-connections were open.",
+        connections.1,
+    );
     labelled(
         &mut m,
         ("llm_sidecar_forwarded_bytes_total", "counter", "direction"),
@@ -111,7 +129,7 @@ fn family(m: &mut String, name: &str, kind: &str, help: &str) {
 mod tests {
     use super::*;
 
-    /// The text as it was before the families were folded into helpers.
+    /// The whole text, family by family.
     #[test]
     fn the_text_is_exactly_the_documented_families() {
         let mut status = Status {
@@ -122,7 +140,7 @@ mod tests {
         status.losses.insert("stale_load", 2);
         let calls = CallCounters::default();
         calls.record(CallOutcome::Ok);
-        let text = render(&status, &calls, 3);
+        let text = render(&status, &calls, 3, (2, 1));
         let expected = "\
 # HELP llm_sidecar_state 1 for the lifecycle state the sidecar is in.
 # TYPE llm_sidecar_state gauge
@@ -163,6 +181,12 @@ llm_sidecar_calls_total{outcome=\"deadline_exceeded\"} 0
 llm_sidecar_calls_total{outcome=\"too_large\"} 0
 llm_sidecar_calls_total{outcome=\"engine_unreachable\"} 0
 llm_sidecar_calls_total{outcome=\"engine_failed\"} 0
+# HELP llm_sidecar_caller_connections Caller connections open on the request plane.
+# TYPE llm_sidecar_caller_connections gauge
+llm_sidecar_caller_connections 2
+# HELP llm_sidecar_caller_connections_refused_total Caller connections closed at once because --max-connections were open.
+# TYPE llm_sidecar_caller_connections_refused_total counter
+llm_sidecar_caller_connections_refused_total 1
 # HELP llm_sidecar_forwarded_bytes_total Message bytes forwarded, by direction.
 # TYPE llm_sidecar_forwarded_bytes_total counter
 llm_sidecar_forwarded_bytes_total{direction=\"to_engine\"} 0

@@ -1,6 +1,7 @@
 //! The admin server's routes: `/live`, `/ready`, `/state`, `/metrics`.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use super::http::{Handler, Request, Response};
 use super::metrics;
@@ -35,7 +36,13 @@ pub(crate) fn handler(status: Shared, plane: Arc<Plane>) -> Handler {
             "/metrics" => Response {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
-                body: status.read(|s| metrics::render(s, &plane.counters, plane.gate.in_flight())),
+                body: status.read(|s| {
+                    let connections = (
+                        plane.connections_open.load(Ordering::Relaxed),
+                        plane.connections_refused.load(Ordering::Relaxed),
+                    );
+                    metrics::render(s, &plane.counters, plane.gate.in_flight(), connections)
+                }),
             },
             _ => Response::text(404, "not found; try /live, /ready, /state or /metrics\n"),
         }

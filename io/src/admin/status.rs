@@ -71,7 +71,7 @@ impl Shared {
             }
             Event::EngineReady { .. }
             | Event::Registered
-            | Event::RegistrationLost
+            | Event::RegistrationLost { .. }
             | Event::Liveness(_)
             | Event::ProbeFailed { .. }
             | Event::IdentityObserved { .. }

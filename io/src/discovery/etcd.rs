@@ -7,6 +7,9 @@
 //!   lease expired) or when no keepalive has succeeded for a whole TTL (after
 //!   such an outage the lease cannot be trusted); the core then registers again.
 //!   An outage is logged once, not per attempt.
+//! - After every successful keepalive the key itself is looked up: a key
+//!   deleted by someone else while the lease lives is reported lost too, so the
+//!   core writes it again.
 //! - `withdraw` stops the keepalive, deletes the key and revokes the lease.
 //! - A killed sidecar's record expires with its lease.
 
@@ -129,12 +132,26 @@ async fn keep_alive_once(
     Ok(responses.message().await?.map_or(0, |r| r.ttl))
 }
 
-/// Keeps `lease` alive every TTL/3 until cancelled or lost.
+/// Whether `key` is in etcd now; `None` if etcd did not answer.
+async fn key_present(kv: &mut KvClient<Channel>, key: &str) -> Option<bool> {
+    let range = RangeRequest {
+        key: key.as_bytes().to_vec(),
+        range_end: Vec::new(),
+        limit: 1,
+    };
+    let found = kv.range(range).await.ok()?.into_inner();
+    Some(!found.kvs.is_empty())
+}
+
+/// Keeps `lease` alive every TTL/3 until cancelled or lost, and checks that
+/// `key` is still there after every successful keepalive.
 async fn keep_alive(
     mut client: LeaseClient<Channel>,
+    mut kv: KvClient<Channel>,
+    key: String,
     lease: i64,
     ttl: Duration,
-    lost: mpsc::UnboundedSender<()>,
+    lost: mpsc::UnboundedSender<String>,
     cancel: CancellationToken,
 ) {
     let every = (ttl / 3).max(Duration::from_millis(200));
@@ -160,6 +177,15 @@ async fn keep_alive(
                         "etcd reachable again; the lease held"
                     );
                 }
+                let present = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    present = tokio::time::timeout(every, key_present(&mut kv, &key)) => present,
+                };
+                if present == Ok(Some(false)) {
+                    tracing::warn!(%key, "the record's key was deleted by someone else");
+                    let _ = lost.send("its key was deleted".to_string());
+                    return;
+                }
                 continue;
             }
             Ok(Ok(_)) => {
@@ -167,7 +193,7 @@ async fn keep_alive(
                     lease = format!("{lease:x}"),
                     "etcd says the lease expired; the record is gone"
                 );
-                let _ = lost.send(());
+                let _ = lost.send("its lease expired".to_string());
                 return;
             }
             Ok(Err(e)) => {
@@ -199,7 +225,7 @@ async fn keep_alive(
                 "no lease keepalive succeeded for {}; the lease cannot be trusted",
                 llm_sidecar_core::HumanDuration(ttl)
             );
-            let _ = lost.send(());
+            let _ = lost.send("no lease keepalive succeeded for a whole TTL".to_string());
             return;
         }
     }
@@ -209,7 +235,7 @@ impl Discovery for EtcdDiscovery {
     async fn register(
         &self,
         record: &Record,
-        lost: mpsc::UnboundedSender<()>,
+        lost: mpsc::UnboundedSender<String>,
     ) -> Result<(), DiscoveryError> {
         let (mut kv, mut leases) = (self.kv(), self.lease());
         let key = record.key();
@@ -239,6 +265,8 @@ impl Discovery for EtcdDiscovery {
         let keepalive = CancellationToken::new();
         tokio::spawn(keep_alive(
             leases.clone(),
+            kv.clone(),
+            key.clone(),
             lease,
             self.ttl,
             lost,

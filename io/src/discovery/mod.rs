@@ -10,7 +10,7 @@ mod file;
 pub(crate) mod worker;
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -54,6 +54,49 @@ impl DiscoveryUri {
             return Ok(DiscoveryUri::Etcd(endpoints));
         }
         Err(err("use file:<dir> or etcd://host:port[,host:port...]"))
+    }
+}
+
+impl DiscoveryUri {
+    /// Checks what can be checked without writing: a `file:` root that exists
+    /// must be a directory, and must not be on a kernel filesystem (`/proc`,
+    /// `/sys`, `/dev`), where no record could ever be written. A root that does
+    /// not exist yet, or is read-only for now, is fine: start-up retries.
+    pub fn check_local(&self) -> Result<(), ConfigError> {
+        let DiscoveryUri::File(dir) = self else {
+            return Ok(());
+        };
+        let err = |message: String| ConfigError::Discovery {
+            value: self.to_string(),
+            message,
+        };
+        match std::fs::metadata(dir) {
+            Ok(meta) if !meta.is_dir() => {
+                return Err(err(format!("{} is not a directory", dir.display())));
+            }
+            Ok(_) | Err(_) => {}
+        }
+        // The deepest part of the path that exists, resolved.
+        let existing = dir.ancestors().find_map(|a| {
+            std::fs::canonicalize(if a.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                a
+            })
+            .ok()
+        });
+        if let Some(real) = existing
+            && ["/proc", "/sys", "/dev"]
+                .iter()
+                .any(|virt| real.starts_with(virt))
+        {
+            return Err(err(format!(
+                "{} is on a kernel filesystem ({}); records cannot be written there",
+                dir.display(),
+                real.display()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -150,7 +193,7 @@ pub trait Discovery: Send + Sync + 'static {
     fn register(
         &self,
         record: &Record,
-        lost: mpsc::UnboundedSender<()>,
+        lost: mpsc::UnboundedSender<String>,
     ) -> impl Future<Output = Result<(), DiscoveryError>> + Send;
 
     /// Removes the record written by the last `register`, if any. Removing a

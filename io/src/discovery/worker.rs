@@ -24,7 +24,7 @@ pub(crate) async fn run<D: Discovery>(
     discovery: Arc<D>,
     mut ops: mpsc::UnboundedReceiver<DiscoveryOp>,
     events: mpsc::Sender<Event>,
-    lost: mpsc::UnboundedSender<()>,
+    lost: mpsc::UnboundedSender<String>,
     bound: Duration,
     written: impl Fn(String) + Send,
 ) {

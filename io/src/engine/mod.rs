@@ -4,6 +4,7 @@
 //! log lines, the liveness service, the probe and the identity. Adding an engine
 //! means a profile and its calls here; the core is untouched.
 
+mod connector;
 pub(crate) mod monitors;
 pub(crate) mod startup;
 mod trtllm;
@@ -11,6 +12,8 @@ mod trtllm;
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
+
+pub use connector::{EngineConnector, StreamLimit};
 
 use crate::discovery::ModelRecord;
 use crate::report::error_chain;
@@ -137,12 +140,44 @@ pub fn endpoint(address: &str, settings: ChannelSettings) -> Result<Endpoint, En
         .http2_keep_alive_interval(settings.keepalive_interval)
         .keep_alive_timeout(settings.keepalive_timeout)
         .keep_alive_while_idle(true)
+        .http2_max_header_list_size(ENGINE_MAX_HEADER_LIST_BYTES)
+        .initial_connection_window_size(ENGINE_CONNECTION_WINDOW)
+        .initial_stream_window_size(ENGINE_STREAM_WINDOW)
         .tcp_nodelay(true))
 }
 
-/// Connects once, bounded by the connect timeout.
-pub async fn connect(endpoint: &Endpoint, bound: Duration) -> Result<Channel, EngineError> {
-    match tokio::time::timeout(bound, endpoint.connect()).await {
+/// The engine connection's HTTP/2 receive window, far above what the streams'
+/// own windows let the engine send. h2 budgets the framing overhead of DATA
+/// frames it holds unread at half this window, and answers more with GOAWAY
+/// ENHANCE_YOUR_CALM, which would kill every call on the connection. A token
+/// is a DATA frame of some 25 bytes, so hundreds of streams of tokens arriving
+/// while the sidecar is busy reach h2's default budget (half of 5 MB) with a
+/// few hundred kilobytes unread. At 256 MiB the budget holds over 500,000
+/// unread tokens; what is actually held stays bounded by the stream windows.
+pub const ENGINE_CONNECTION_WINDOW: u32 = 256 << 20;
+
+/// The engine stream's receive window: what one call may have sent and the
+/// caller not yet read. 64 KiB holds thousands of tokens; with the connection
+/// window above it is the bound on the memory an engine can make the sidecar
+/// hold (streams × 64 KiB).
+pub const ENGINE_STREAM_WINDOW: u32 = 64 << 10;
+
+/// How large a header block the engine may send before h2 drops the whole
+/// connection (h2 fails just the stream up to 4× this, the connection beyond):
+/// generous, so one engine answer with oversized headers never takes every
+/// other call on the connection with it. The request plane then refuses to
+/// pass headers above the caller's limit on (that call fails alone).
+pub const ENGINE_MAX_HEADER_LIST_BYTES: u32 = 4 << 20;
+
+/// Connects once, bounded by the connect timeout; the engine's stream limit
+/// goes to `limit`.
+pub async fn connect(
+    endpoint: &Endpoint,
+    limit: &StreamLimit,
+    bound: Duration,
+) -> Result<Channel, EngineError> {
+    let connector = EngineConnector::new(limit.clone());
+    match tokio::time::timeout(bound, endpoint.connect_with_connector(connector)).await {
         Ok(Ok(channel)) => Ok(channel),
         Ok(Err(e)) => Err(EngineError::Connect(error_chain(&e))),
         Err(_) => Err(EngineError::Connect(format!(

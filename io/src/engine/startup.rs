@@ -12,27 +12,44 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{EngineError, EngineInfo, EngineProfile, connect, read_info};
+use super::{EngineError, EngineInfo, EngineProfile, StreamLimit, connect, read_info};
 
 /// The engine answered its start-up calls; its connection is handed over.
 pub(crate) type EngineReady = (EngineInfo, Channel);
 
+/// What the start-up wait needs to know.
+pub(crate) struct StartupWait {
+    pub(crate) profile: EngineProfile,
+    /// The engine's address as the operator wrote it, for log lines.
+    pub(crate) address: String,
+    pub(crate) endpoint: Endpoint,
+    /// Where the engine's stream limit goes once its SETTINGS arrive.
+    pub(crate) limit: StreamLimit,
+    /// Bound on one attempt (connect plus the start-up calls).
+    pub(crate) attempt_bound: Duration,
+    pub(crate) retry_interval: Duration,
+}
+
 /// Tries until the engine answers (then sends it on `ready`) or `cancel` fires.
 pub(crate) async fn wait_for_engine(
-    profile: EngineProfile,
-    address: String,
-    endpoint: Endpoint,
-    attempt_bound: Duration,
-    retry_interval: Duration,
+    wait: StartupWait,
     ready: mpsc::Sender<EngineReady>,
     cancel: CancellationToken,
 ) {
+    let StartupWait {
+        profile,
+        address,
+        endpoint,
+        limit,
+        attempt_bound,
+        retry_interval,
+    } = wait;
     let mut last_error = String::new();
     let mut attempts: u64 = 0;
     loop {
         attempts += 1;
         let attempt = async {
-            let channel = connect(&endpoint, attempt_bound).await?;
+            let channel = connect(&endpoint, &limit, attempt_bound).await?;
             let info = read_info(&profile, &channel, attempt_bound).await?;
             Ok::<_, EngineError>((info, channel))
         };

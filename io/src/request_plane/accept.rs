@@ -1,5 +1,6 @@
-//! Accepting callers: the listener loop, the TLS handshake, HTTP/2 settings,
-//! the GOAWAY at exit, and a close that never resets a busy caller.
+//! Accepting callers: the listener loop and the connection cap, the TLS
+//! handshake, HTTP/2 settings, the handshake and idle timeouts, the GOAWAY at
+//! exit, and a close that never resets a busy caller.
 
 use std::io;
 use std::pin::Pin;
@@ -15,7 +16,12 @@ use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use std::sync::atomic::Ordering;
+
+use tonic::body::Body;
+
 use super::Plane;
+use super::frame_watch::{FrameWatch, Watched};
 use crate::exit_bounds::{GOAWAY_FLUSH, LINGER};
 use crate::tls::ServerTls;
 
@@ -41,6 +47,7 @@ pub(crate) async fn serve(
     cancel: CancellationToken,
     connections: TaskTracker,
 ) {
+    let mut refusing = false;
     loop {
         let accepted = tokio::select! {
             () = cancel.cancelled() => return,
@@ -54,12 +61,30 @@ pub(crate) async fn serve(
                 continue;
             }
         };
+        let Some(slot) = ConnectionSlot::take(&plane) else {
+            // Closed at once: the caller learns now and can go elsewhere,
+            // instead of hanging in the backlog.
+            plane.connections_refused.fetch_add(1, Ordering::Relaxed);
+            if !refusing {
+                refusing = true;
+                tracing::warn!(
+                    max = plane.limits.max_connections,
+                    "request plane: {} caller connections open, the most allowed; closing new \
+                     ones until some end",
+                    plane.limits.max_connections
+                );
+            }
+            drop(stream);
+            continue;
+        };
+        refusing = false;
         let _ = stream.set_nodelay(true);
         let stream = LingeringClose::new(stream);
         let plane = plane.clone();
         let cancel = cancel.clone();
         let tls = tls.clone();
         connections.spawn(async move {
+            let _slot = slot;
             let Some(tls) = tls else {
                 return serve_connection(stream, plane, cancel).await;
             };
@@ -87,28 +112,125 @@ pub(crate) async fn serve(
     }
 }
 
-/// One caller connection: HTTP/2 only, until it ends or the sidecar exits.
+/// One of `--max-connections`, held for as long as its connection lives.
+struct ConnectionSlot(Arc<Plane>);
+
+impl ConnectionSlot {
+    fn take(plane: &Arc<Plane>) -> Option<ConnectionSlot> {
+        let max = plane.limits.max_connections as usize;
+        let open = &plane.connections_open;
+        let mut now = open.load(Ordering::Acquire);
+        loop {
+            if now >= max {
+                return None;
+            }
+            match open.compare_exchange_weak(now, now + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(ConnectionSlot(plane.clone())),
+                Err(seen) => now = seen,
+            }
+        }
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.connections_open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One caller connection: HTTP/2 only, until it ends, its handshake or idle
+/// time runs out, it floods, or the sidecar exits.
 async fn serve_connection<IO>(io: IO, plane: Arc<Plane>, cancel: CancellationToken)
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let limits = plane.limits;
-    let service = service_fn(move |req| super::forward::handle(plane.clone(), req));
+    let watched = Watched::new();
+    let io = FrameWatch::new(io, watched.clone(), limits.control_frame_budget);
+    let streams = plane.stream_cap();
+    let service = {
+        let watched = watched.clone();
+        service_fn(move |req| {
+            watched.call_started();
+            let (plane, watched) = (plane.clone(), watched.clone());
+            async move {
+                let response = super::forward::handle(plane, req).await?;
+                Ok::<_, std::convert::Infallible>(
+                    response.map(|body| Body::new(CountedBody { body, watched })),
+                )
+            }
+        })
+    };
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-        .max_concurrent_streams(limits.max_concurrent_streams)
+        .max_concurrent_streams(streams)
         .max_header_list_size(limits.max_header_list_bytes)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .serve_connection(TokioIo::new(io), service);
     let mut conn = std::pin::pin!(conn);
-    tokio::select! {
-        // Garbage, HTTP/1 or a protocol error ends this connection only.
-        _ = conn.as_mut() => return,
-        () = cancel.cancelled() => {}
+    let handshake_by = tokio::time::Instant::now() + limits.handshake_timeout;
+    loop {
+        let idle_check = match watched.idle_for() {
+            Some(idle) => limits.idle_timeout.saturating_sub(idle),
+            None => limits.idle_timeout,
+        };
+        tokio::select! {
+            // Garbage, HTTP/1, a protocol error or a flood ends this connection only.
+            _ = conn.as_mut() => return,
+            () = cancel.cancelled() => break,
+            () = tokio::time::sleep_until(handshake_by), if !watched.handshake_done() => {
+                // Armed when the loop last went round; the handshake may have
+                // completed since.
+                if !watched.handshake_done() {
+                    tracing::debug!(
+                        "request plane: no HTTP/2 preface within the handshake timeout; closing"
+                    );
+                    return;
+                }
+            }
+            () = tokio::time::sleep(idle_check) => {
+                if watched.idle_for().is_some_and(|idle| idle >= limits.idle_timeout) {
+                    tracing::debug!("request plane: caller connection idle; GOAWAY");
+                    break;
+                }
+            }
+        }
     }
-    // Exiting: GOAWAY, let the last frames (trailers) reach the caller.
+    // Exiting (or idle): GOAWAY, let the last frames (trailers) reach the caller.
     conn.as_mut().graceful_shutdown();
     let _ = tokio::time::timeout(GOAWAY_FLUSH, conn).await;
+}
+
+/// A response body that tells the connection's watcher when its call ends.
+struct CountedBody {
+    body: Body,
+    watched: Arc<Watched>,
+}
+
+impl Drop for CountedBody {
+    fn drop(&mut self) {
+        self.watched.call_ended();
+    }
+}
+
+impl http_body::Body for CountedBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// A connection that closes the way a careful HTTP server closes one:

@@ -18,7 +18,11 @@ use tonic::body::Body;
 use tonic::codegen::Service;
 
 use super::Plane;
-use super::framing::{MessageLimiter, PREFIX_LEN, grpc_timeout, too_large_message};
+use super::engine_pool::Lease;
+use super::framing::{
+    MessageLimiter, PREFIX_LEN, grpc_timeout, header_list_size, too_large_headers_message,
+    too_large_message,
+};
 use super::outcome::CallOutcome;
 
 /// How long a refused call's request may take to arrive before it is answered.
@@ -57,6 +61,7 @@ pub(crate) async fn handle(
     }
     plane.counters.admitted.fetch_add(1, Ordering::Relaxed);
     let guard = InFlight {
+        lease: plane.engine.lease(),
         plane: plane.clone(),
         outcome: None,
         bytes: 0,
@@ -121,7 +126,7 @@ async fn forward(
         bytes: 0,
     };
     let request = http::Request::from_parts(parts, Body::new(request_body));
-    let mut engine = plane.engine.clone();
+    let mut engine = guard.lease.channel();
     let call = async move {
         std::future::poll_fn(|cx| engine.poll_ready(cx)).await?;
         engine.call(request).await
@@ -146,14 +151,29 @@ async fn forward(
     match response {
         Ok(response) => {
             let (parts, body) = response.into_parts();
-            // A trailers-only response carries its status in the headers.
-            let status_in_headers = parts
-                .headers
-                .contains_key("grpc-status")
-                .then(|| CallOutcome::of_engine_status(parts.headers.get("grpc-status")));
+            let header_limit = plane.limits.max_header_list_bytes;
+            if header_list_size(&parts.headers) > header_limit as usize {
+                // Passed on, these headers would make the caller's HTTP/2 stack
+                // fail its whole connection; this call fails alone instead.
+                guard.outcome = Some(CallOutcome::TooLarge);
+                return status_response(
+                    Code::ResourceExhausted,
+                    &too_large_headers_message(header_limit),
+                );
+            }
+            if parts.headers.contains_key("grpc-status") {
+                // Trailers-only: the engine ended the call with its headers, so
+                // the caller's stream ends with them too (HEADERS with
+                // END_STREAM). An empty DATA frame after them is what gRPC
+                // clients built on C-core reject.
+                guard.outcome = Some(CallOutcome::of_engine_status(
+                    parts.headers.get("grpc-status"),
+                ));
+                return http::Response::from_parts(parts, Body::empty());
+            }
             let body = ResponseBody {
                 inner: Some(body),
-                status_in_headers,
+                header_limit,
                 cut: Box::pin(plane.cut.clone().cancelled_owned()),
                 deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
                 limiter: MessageLimiter::new(plane.limits.max_message_bytes),
@@ -181,6 +201,8 @@ async fn forward(
 /// keeps both counts exact whatever ends the call: its end, a caller's cancel, a
 /// cut, a panic.
 struct InFlight {
+    /// The engine connection the call runs on.
+    lease: Lease,
     plane: Arc<Plane>,
     /// How the call ended; `None` when it is dropped half-way, i.e. the caller left.
     outcome: Option<CallOutcome>,
@@ -261,8 +283,8 @@ impl HttpBody for RequestBody {
 struct ResponseBody {
     /// `None` once the call is over (the engine stream is dropped, i.e. reset).
     inner: Option<Body>,
-    /// The engine's status if it came in the response headers (trailers-only).
-    status_in_headers: Option<CallOutcome>,
+    /// The largest trailers passed on to the caller.
+    header_limit: u32,
     cut: Pin<Box<WaitForCancellationFutureOwned>>,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     limiter: MessageLimiter,
@@ -321,6 +343,14 @@ impl HttpBody for ResponseBody {
                         return this.end_too_large();
                     }
                 } else if let Some(trailers) = frame.trailers_ref() {
+                    if header_list_size(trailers) > this.header_limit as usize {
+                        let message = too_large_headers_message(this.header_limit);
+                        return this.end_with(
+                            CallOutcome::TooLarge,
+                            Code::ResourceExhausted,
+                            &message,
+                        );
+                    }
                     this.guard.outcome =
                         Some(CallOutcome::of_engine_status(trailers.get("grpc-status")));
                     this.inner = None;
@@ -336,10 +366,10 @@ impl HttpBody for ResponseBody {
                 this.end_with(CallOutcome::EngineFailed, Code::Unavailable, &message)
             }
             None => {
-                // Ended without trailers: the status, if any, came in the headers.
+                // Ended without trailers (a trailers-only answer never gets here):
+                // no status at all, which the caller reads as an error.
                 this.inner = None;
-                this.guard.outcome =
-                    Some(this.status_in_headers.unwrap_or(CallOutcome::EngineStatus));
+                this.guard.outcome = Some(CallOutcome::EngineStatus);
                 Poll::Ready(None)
             }
         }

@@ -36,6 +36,21 @@ pub(crate) fn too_large_message(limit: u32) -> String {
     format!("message larger than the sidecar's limit of {limit} bytes")
 }
 
+/// The status message of a call whose engine answer carried headers (or
+/// trailers) over the limit.
+pub(crate) fn too_large_headers_message(limit: u32) -> String {
+    format!("engine response headers larger than the sidecar's limit of {limit} bytes")
+}
+
+/// A header list's size as HTTP/2 counts it against SETTINGS_MAX_HEADER_LIST_SIZE
+/// (RFC 9113 §6.5.2): name and value, plus 32 bytes per field.
+pub(crate) fn header_list_size(headers: &http::HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 32)
+        .sum()
+}
+
 /// Reads gRPC message prefixes across chunks and refuses a message longer than
 /// the limit; the payload is never copied.
 #[derive(Debug)]

@@ -14,26 +14,32 @@
 //! - the sidecar's own `grpc.health.v1`, and the engine's health RPC answered
 //!   locally whenever the worker is not Serving.
 //!
-//! The rooms: [`accept`] (listener, TLS, HTTP/2 settings, GOAWAY, lingering
-//! close), [`forward`] (routing, refusal, forwarding and the bodies),
-//! [`framing`] (gRPC framing and `grpc-timeout`, pure), [`outcome`] (how each
-//! call ended, the counters), [`own_health`] (the sidecar's health service).
+//! The rooms: [`accept`] (listener, connection cap, TLS, HTTP/2 settings,
+//! handshake and idle timeouts, GOAWAY, lingering close), [`frame_watch`]
+//! (each caller's frames: handshake, open calls, flood budget), [`forward`]
+//! (routing, refusal, forwarding and the bodies), [`engine_pool`] (the engine
+//! connections), [`framing`] (gRPC framing and `grpc-timeout`, pure),
+//! [`outcome`] (how each call ended, the counters), [`own_health`] (the
+//! sidecar's health service).
 
 mod accept;
+mod engine_pool;
 mod forward;
+mod frame_watch;
 mod framing;
 mod outcome;
 mod own_health;
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::time::Duration;
 
 use llm_sidecar_core::gate::Gate;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 use tonic_health::pb::health_server::HealthServer;
 
 pub(crate) use accept::serve;
+pub(crate) use engine_pool::EnginePool;
 pub(crate) use outcome::{CallCounters, CallOutcome};
 pub(crate) use own_health::OwnHealth;
 
@@ -44,8 +50,75 @@ pub struct Limits {
     pub max_message_bytes: u32,
     /// Concurrent streams per caller connection.
     pub max_concurrent_streams: u32,
-    /// Largest header list a caller may send, in bytes.
+    /// Largest header list, either direction (a caller's request, the engine's
+    /// response headers and trailers), in bytes.
     pub max_header_list_bytes: u32,
+    /// Caller connections open at once; past it a new one is closed at once.
+    pub max_connections: u32,
+    /// How long a caller has, once connected (and through TLS), to send the
+    /// HTTP/2 preface and its first frame.
+    pub handshake_timeout: Duration,
+    /// A caller connection with no call open for this long gets GOAWAY.
+    pub idle_timeout: Duration,
+    /// Control frames a caller connection may send per second beyond 10 per
+    /// frame of real work (docs/CONTRACT.md, "Request plane").
+    pub control_frame_budget: u32,
+    /// HTTP/2 connections to the engine at most.
+    pub engine_connections: u32,
+}
+
+impl Limits {
+    /// The smallest message and header limits that make sense: below them no
+    /// real call fits, so a smaller value is a mistake, not a choice.
+    pub const MIN_BYTES: u32 = 1024;
+
+    /// Checks the limits; a value that cannot work is refused, never raised.
+    pub fn check(&self) -> Result<(), crate::parse::ConfigError> {
+        let refuse = |flag: &'static str, value: u32, message: &str| {
+            Err(crate::parse::ConfigError::OutOfRange {
+                flag,
+                value: value.to_string(),
+                message: message.to_string(),
+            })
+        };
+        if self.max_message_bytes < Self::MIN_BYTES {
+            return refuse(
+                "--max-message-bytes",
+                self.max_message_bytes,
+                "must be at least 1024",
+            );
+        }
+        if self.max_header_list_bytes < Self::MIN_BYTES {
+            return refuse(
+                "--max-header-list-bytes",
+                self.max_header_list_bytes,
+                "must be at least 1024",
+            );
+        }
+        for (flag, value) in [
+            ("--max-concurrent-streams", self.max_concurrent_streams),
+            ("--max-connections", self.max_connections),
+            ("--control-frame-budget", self.control_frame_budget),
+            ("--engine-connections", self.engine_connections),
+        ] {
+            if value == 0 {
+                return refuse(flag, 0, "must be at least 1");
+            }
+        }
+        for (flag, value) in [
+            ("--handshake-timeout", self.handshake_timeout),
+            ("--idle-timeout", self.idle_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(crate::parse::ConfigError::OutOfRange {
+                    flag,
+                    value: "0s".into(),
+                    message: "must be greater than zero".into(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Everything the request handlers share.
@@ -58,16 +131,20 @@ pub(crate) struct Plane {
     /// Woken when the last call leaves a closed gate.
     pub(crate) drained: Notify,
     pub(crate) counters: CallCounters,
-    pub(crate) engine: Channel,
+    pub(crate) engine: EnginePool,
     pub(crate) health: HealthServer<OwnHealth>,
     pub(crate) health_rpc_path: &'static str,
     pub(crate) limits: Limits,
+    /// Caller connections open now.
+    pub(crate) connections_open: AtomicUsize,
+    /// Caller connections closed at once because `max_connections` were open.
+    pub(crate) connections_refused: AtomicU64,
 }
 
 impl Plane {
     /// A closed request plane in front of `engine` (the core opens it).
     pub(crate) fn new(
-        engine: Channel,
+        engine: EnginePool,
         health: &OwnHealth,
         health_rpc_path: &'static str,
         limits: Limits,
@@ -82,6 +159,21 @@ impl Plane {
             health: health.server(),
             health_rpc_path,
             limits,
+            connections_open: AtomicUsize::new(0),
+            connections_refused: AtomicU64::new(0),
+        }
+    }
+
+    /// The concurrent calls one caller connection may have: the flag, and
+    /// never more than half of what the engine takes through the pool, so one
+    /// caller cannot hold every engine stream.
+    pub(crate) fn stream_cap(&self) -> u32 {
+        let flag = self.limits.max_concurrent_streams;
+        match self.engine.capacity() {
+            Some(capacity) => {
+                u32::try_from((capacity / 2).max(1)).map_or(flag, |half| flag.min(half))
+            }
+            None => flag,
         }
     }
 }

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use llm_sidecar_etcd_api::etcdserverpb::kv_client::KvClient;
 use llm_sidecar_etcd_api::etcdserverpb::lease_client::LeaseClient;
-use llm_sidecar_etcd_api::etcdserverpb::{LeaseTimeToLiveRequest, RangeRequest};
+use llm_sidecar_etcd_api::etcdserverpb::{
+    DeleteRangeRequest, LeaseTimeToLiveRequest, RangeRequest,
+};
 use tonic::transport::Channel;
 
 use super::{HANG, Proc, free_addr, wait_until};
@@ -195,6 +197,16 @@ impl Etcd {
             value: kv.value,
             lease: kv.lease,
         })
+    }
+
+    /// Deletes a key, as an operator (or another process) might.
+    pub fn delete(&self, key: &str) {
+        let mut kv = KvClient::new(self.channel().expect("etcd answers"));
+        let delete = DeleteRangeRequest {
+            key: key.as_bytes().to_vec(),
+            range_end: vec![],
+        };
+        self.rt.block_on(kv.delete_range(delete)).expect("delete");
     }
 
     /// (remaining TTL, granted TTL) of a lease; remaining is -1 once it is gone.

@@ -429,6 +429,7 @@ impl Sidecar {
 }
 pub mod account;
 pub mod etcd;
+pub mod raw_h2;
 pub mod relay;
 
 /// A small tmpfs mounted over a directory (the tests run as root in CI): a

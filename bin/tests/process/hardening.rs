@@ -1,0 +1,567 @@
+//! Hostile callers, hostile engines and stray signals: each attack that once
+//! hurt the sidecar, now failing alone (docs/RELIABILITY.md, "Hardening").
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+use llm_sidecar_engine_api::trtllm::{GenerateRequest, GetModelInfoRequest, TokenizedInput};
+use prost::Message;
+use tonic::Code;
+
+use crate::support::raw_h2::{self, RawH2};
+use crate::support::*;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn generate(id: &str, tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.to_string(),
+        tokenized: Some(TokenizedInput {
+            original_text: String::new(),
+            input_token_ids: vec![1, 2, 3],
+        }),
+        max_tokens: tokens,
+        streaming: true,
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What Python's grpcio (gRPC C-core) reports for one call: (code, details).
+fn grpcio_call(target: SocketAddr, kind: &str, path: &str, request: &[u8]) -> (String, String) {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/process/clients/grpcio_call.py"
+    );
+    let out = std::process::Command::new("python3")
+        .args([script, &target.to_string(), kind, path, &hex(request)])
+        .output()
+        .expect("run python3 (scripts/test.sh installs grpcio)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| {
+        panic!(
+            "grpcio client output: {e}: {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (
+        json["code"].as_str().unwrap_or_default().to_string(),
+        json["details"].as_str().unwrap_or_default().to_string(),
+    )
+}
+
+#[test]
+fn a_grpcio_caller_sees_the_engines_trailers_only_status_unchanged() {
+    let dir = TempDir::new("trailers-only");
+    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let cases: [(&str, &str, Vec<u8>, &str); 3] = [
+        (
+            "unary",
+            "/trtllm.TrtllmService/NoSuchMethod",
+            Vec::new(),
+            "UNIMPLEMENTED",
+        ),
+        (
+            "stream",
+            "/trtllm.TrtllmService/Generate",
+            generate("error:7:not for you", 1).encode_to_vec(),
+            "PERMISSION_DENIED",
+        ),
+        (
+            "stream",
+            "/trtllm.TrtllmService/Generate",
+            generate("error:13:executor failed", 1).encode_to_vec(),
+            "INTERNAL",
+        ),
+    ];
+    for (kind, path, request, code) in &cases {
+        let direct = grpcio_call(mock.grpc, kind, path, request);
+        let proxied = grpcio_call(sidecar.listen, kind, path, request);
+        assert_eq!(direct.0, *code, "the engine itself answers {code}");
+        assert_eq!(
+            proxied, direct,
+            "{path}: through the sidecar the caller sees exactly the engine's status"
+        );
+    }
+    // On the wire: the status arrives in a HEADERS frame that ends the stream.
+    rt().block_on(async {
+        let tcp = tokio::net::TcpStream::connect(sidecar.listen)
+            .await
+            .expect("connect");
+        let (mut client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        tokio::spawn(connection);
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(format!(
+                "http://{}/trtllm.TrtllmService/NoSuchMethod",
+                sidecar.listen
+            ))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .expect("request");
+        let (response, mut body) = client.send_request(request, false).expect("send");
+        body.send_data(bytes::Bytes::from_static(&[0, 0, 0, 0, 0]), true)
+            .expect("send the empty message");
+        let response = response.await.expect("response headers");
+        assert_eq!(response.headers()["grpc-status"], "12");
+        assert!(
+            response.body().is_end_stream(),
+            "HEADERS carried END_STREAM: no DATA frame follows a trailers-only answer"
+        );
+    });
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn a_caller_holding_every_engine_stream_does_not_block_other_callers() {
+    let dir = TempDir::new("stream-limit");
+    // The engine allows 20 streams per connection; the caller holds 30.
+    let (mock, mut sidecar) = serving(
+        &dir.0,
+        &["--max-concurrent-streams", "20", "--token-delay", "20ms"],
+        &[],
+    );
+    let hog = bench_spawn(
+        sidecar.listen,
+        &[
+            "-c",
+            "30",
+            "--connections",
+            "1",
+            "-n",
+            "400",
+            "--calls",
+            "30",
+        ],
+    );
+    wait_until(
+        HANG,
+        "the engine to run all 30 of the caller's calls",
+        || mock.stats()["generate_started"] == 30,
+    );
+    let answered = rt().block_on(async {
+        let mut client = TrtllmServiceClient::connect(format!("http://{}", sidecar.listen))
+            .await
+            .expect("connect");
+        client.get_model_info(GetModelInfoRequest {}).await
+    });
+    let completed = mock.stats()["generate_completed"].clone();
+    assert!(answered.is_ok(), "another caller is answered: {answered:?}");
+    assert_eq!(
+        completed, 0,
+        "...while every one of the first caller's 30 calls is still running"
+    );
+    drop(hog);
+    sidecar.proc.signal("TERM");
+    sidecar.proc.wait_exit(HANG);
+}
+
+/// One flood of `frame` from a caller that reads what comes back: the caller
+/// gets GOAWAY ENHANCE_YOUR_CALM and its connection ends, while another
+/// caller's calls go on without an error.
+fn a_flood_is_cut(name: &str, flood_frame: Vec<u8>) {
+    let dir = TempDir::new(name);
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let calm = bench_spawn(sidecar.listen, &["-c", "4", "-n", "16", "-d", "3s"]);
+    let mut flooder = RawH2::connect(sidecar.listen);
+    flooder.handshake();
+    let mut writer = flooder.stream.try_clone().expect("clone");
+    let batch: Vec<u8> = flood_frame.repeat(500);
+    let sender = std::thread::spawn(move || {
+        use std::io::Write;
+        for _ in 0..2_000 {
+            if writer.write_all(&batch).is_err() {
+                return true;
+            }
+        }
+        false
+    });
+    let (frames, ended) = flooder.read_to_end();
+    let cut_off = sender.join().expect("flood sender");
+    let calm = bench_report(calm);
+    assert!(
+        ended && cut_off,
+        "{name}: the flooding connection was closed"
+    );
+    assert!(
+        frames
+            .iter()
+            .any(|f| f.goaway_code() == Some(raw_h2::ENHANCE_YOUR_CALM)),
+        "{name}: the sidecar said GOAWAY ENHANCE_YOUR_CALM first; frames: {:?}",
+        frames.iter().map(|f| f.kind).collect::<Vec<_>>()
+    );
+    assert_eq!(calm["errors"], serde_json::json!({}), "{name}: {calm}");
+    assert!(calm["calls_ok"].as_u64().unwrap_or(0) > 0, "{calm}");
+    assert!(
+        sidecar
+            .proc
+            .line_index("more control frames than its budget")
+            .is_some()
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn a_ping_flood_is_cut() {
+    a_flood_is_cut("ping-flood", raw_h2::frame(raw_h2::PING, 0, 0, b"floodfld"));
+}
+
+#[test]
+fn a_settings_flood_is_cut() {
+    a_flood_is_cut("settings-flood", raw_h2::frame(raw_h2::SETTINGS, 0, 0, &[]));
+}
+
+#[test]
+fn a_priority_flood_is_cut() {
+    a_flood_is_cut(
+        "priority-flood",
+        raw_h2::frame(raw_h2::PRIORITY, 0, 1, &[0, 0, 0, 0, 16]),
+    );
+}
+
+#[test]
+fn a_window_update_flood_is_cut() {
+    a_flood_is_cut(
+        "window-flood",
+        raw_h2::frame(raw_h2::WINDOW_UPDATE, 0, 0, &1u32.to_be_bytes()),
+    );
+}
+
+#[test]
+fn silent_connections_are_closed_after_the_handshake_or_idle_timeout() {
+    let dir = TempDir::new("silent");
+    let (_mock, mut sidecar) = serving(
+        &dir.0,
+        &[],
+        &["--handshake-timeout", "1s", "--idle-timeout", "2s"],
+    );
+    // Connected, and never a byte: closed once the handshake timeout passed
+    // (the 30 s read timeout of the test caller would say "not closed").
+    let mut mute = RawH2::connect(sidecar.listen);
+    let (frames, ended) = mute.read_to_end();
+    assert!(ended, "the silent connection was closed");
+    assert!(
+        frames.iter().all(|f| f.kind == raw_h2::SETTINGS),
+        "nothing but the server's own SETTINGS: {frames:?}"
+    );
+    // A handshake, then nothing: idle.
+    let mut idle = RawH2::connect(sidecar.listen);
+    idle.handshake();
+    let (frames, ended) = idle.read_to_end();
+    assert!(ended, "the idle connection was closed");
+    assert!(
+        frames.iter().any(|f| f.goaway_code() == Some(0)),
+        "with a GOAWAY (NO_ERROR) first: {frames:?}"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn connections_past_the_cap_are_closed_and_the_rest_still_serve() {
+    let dir = TempDir::new("conn-cap");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &["--max-connections", "3"]);
+    let mut held: Vec<RawH2> = (0..3)
+        .map(|_| {
+            let mut c = RawH2::connect(sidecar.listen);
+            c.handshake();
+            c
+        })
+        .collect();
+    wait_until(HANG, "three caller connections", || {
+        sidecar.metric("llm_sidecar_caller_connections ") == Some(3.0)
+    });
+    let mut fourth = RawH2::connect(sidecar.listen);
+    let (frames, ended) = fourth.read_to_end();
+    assert!(ended && frames.is_empty(), "the fourth is closed at once");
+    assert_eq!(
+        sidecar.metric("llm_sidecar_caller_connections_refused_total"),
+        Some(1.0)
+    );
+    assert_eq!(http_get(sidecar.admin, "/live").map(|r| r.0), Some(200));
+    held.pop();
+    wait_until(HANG, "a free connection slot", || {
+        sidecar.metric("llm_sidecar_caller_connections ") == Some(2.0)
+    });
+    let answered = rt().block_on(async {
+        let mut client = TrtllmServiceClient::connect(format!("http://{}", sidecar.listen))
+            .await
+            .expect("connect");
+        client.get_model_info(GetModelInfoRequest {}).await
+    });
+    assert!(answered.is_ok(), "{answered:?}");
+    drop(held);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+/// systemd's default soft limit is 1,024 open files: silent connections used
+/// to exhaust it, and then the engine connection and the admin server failed.
+/// The sidecar now raises the soft limit to fit `--max-connections`.
+#[test]
+fn a_low_open_file_limit_is_raised_and_silent_connections_starve_nothing() {
+    let dir = TempDir::new("nofile");
+    let mock = Mock::start(&dir.0, free_addr(), &[]);
+    let (admin, listen) = (free_addr(), free_addr());
+    let mut args = vec!["--nofile=128:8192".to_string(), binary().to_string()];
+    args.extend(run_args(
+        mock.grpc,
+        listen,
+        admin,
+        &dir.0.join("discovery"),
+        &[],
+    ));
+    let mut proc = Proc::spawn_program("prlimit", &args, dir.0.join("sidecar.log"));
+    proc.wait_for_line("registered; serving", HANG);
+    let held: Vec<RawH2> = (0..300)
+        .map(|_| {
+            let mut c = RawH2::connect(listen);
+            c.handshake();
+            c
+        })
+        .collect();
+    let metric = |name: &str| -> Option<f64> {
+        let (_, body) = http_get(admin, "/metrics")?;
+        body.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    wait_until(HANG, "300 caller connections", || {
+        metric("llm_sidecar_caller_connections ") == Some(300.0)
+    });
+    let answered = rt().block_on(async {
+        let mut client = TrtllmServiceClient::connect(format!("http://{listen}"))
+            .await
+            .expect("connect");
+        client.get_model_info(GetModelInfoRequest {}).await
+    });
+    assert!(
+        answered.is_ok(),
+        "the engine is still reached: {answered:?}"
+    );
+    assert!(
+        proc.line_index("Too many open files").is_none(),
+        "{}",
+        proc.log_text()
+    );
+    drop(held);
+    proc.signal("TERM");
+    assert_eq!(proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn sighup_and_sigquit_withdraw_first_like_sigterm() {
+    for sig in ["HUP", "QUIT"] {
+        let dir = TempDir::new(&format!("sig-{sig}"));
+        let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+        sidecar.proc.signal(sig);
+        assert_eq!(sidecar.proc.wait_exit(HANG), 0, "SIG{sig} exits 0");
+        assert!(sidecar.records().is_empty(), "SIG{sig}: the record is gone");
+        sidecar.proc.assert_withdrawn_before_exit(0);
+        assert!(
+            sidecar
+                .proc
+                .line_index(&format!("SIG{sig} received"))
+                .is_some(),
+            "the signal is named in the log"
+        );
+    }
+}
+
+#[test]
+fn signals_that_mean_nothing_are_ignored_and_said_once() {
+    let dir = TempDir::new("sig-ignored");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    for sig in ["USR1", "USR1", "USR2", "ALRM", "40"] {
+        sidecar.proc.signal(sig);
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(sidecar.proc.running(), "none of them ended the process");
+    assert_eq!(sidecar.records().len(), 1, "still registered");
+    assert_eq!(http_get(sidecar.admin, "/ready").map(|r| r.0), Some(200));
+    assert_eq!(sidecar.proc.count_lines("ignoring SIGUSR1"), 1, "said once");
+    for name in ["SIGUSR2", "SIGALRM", "a real-time signal (40)"] {
+        assert_eq!(
+            sidecar.proc.count_lines(&format!("ignoring {name}")),
+            1,
+            "{name}; log:\n{}",
+            sidecar.proc.log_text()
+        );
+    }
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn an_engine_answer_with_oversized_headers_fails_that_call_only() {
+    let dir = TempDir::new("big-headers");
+    let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "20ms"], &[]);
+    rt().block_on(async {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", sidecar.listen))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let mut long = TrtllmServiceClient::new(channel.clone());
+        let long = tokio::spawn(async move {
+            let mut stream = long.generate(generate("long", 100)).await?.into_inner();
+            let mut n = 0;
+            while stream.message().await?.is_some() {
+                n += 1;
+            }
+            Ok::<_, tonic::Status>(n)
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut big = TrtllmServiceClient::new(channel);
+        let failed = big
+            .generate(generate("big-headers:100000", 4))
+            .await
+            .expect_err("the oversized answer fails");
+        assert_eq!(failed.code(), Code::ResourceExhausted, "{failed:?}");
+        assert!(
+            failed.message().contains("engine response headers larger"),
+            "{failed:?}"
+        );
+        let done = long.await.expect("join").expect("the other call completes");
+        assert_eq!(done, 101, "100 tokens and the final message");
+    });
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"too_large\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_failed\"}"),
+        Some(0.0)
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn a_record_removed_while_serving_is_written_again() {
+    let dir = TempDir::new("record-removed");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let record = sidecar.wait_for_record(HANG);
+    std::fs::remove_file(&record).expect("remove the record");
+    let warn = sidecar
+        .proc
+        .wait_for_line("(its record file was removed); registering again", HANG);
+    assert!(warn.contains("WARN"), "{warn}");
+    wait_until(HANG, "the record to be written again", || record.exists());
+    assert_eq!(http_get(sidecar.admin, "/ready").map(|r| r.0), Some(200));
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(sidecar.records().is_empty());
+}
+
+#[test]
+fn instances_reads_only_regular_files_once_each_and_escapes_what_it_prints() {
+    let dir = TempDir::new("instances");
+    let root = dir.0.join("registry");
+    let records = root.join("v1/instances/dynamo/backend/generate");
+    std::fs::create_dir_all(&records).expect("dirs");
+    let fifo = records.join("fifo.json");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    std::os::unix::fs::symlink(&root, records.join("loop")).expect("symlink loop");
+    let record = serde_json::json!({
+        "instance_id": "abc", "namespace": "dynamo", "component": "backend",
+        "endpoint": "generate", "address": "10.0.0.1:1", "transport": "grpc",
+        "engine": {"kind": "trtllm", "version": "1", "identity": "x"},
+        "model": {"name": "evil\nabc        trtllm     forged-row\u{1b}[2J", "max_input_len": 1, "max_seq_len": 2},
+        "pid": 1, "registered_at": "2026-12-01T00:00:00.000Z"
+    });
+    std::fs::write(records.join("abc.json"), record.to_string()).expect("record");
+    let mut p = Proc::spawn(
+        &[
+            "instances".to_string(),
+            "--discovery".into(),
+            format!("file:{}", root.display()),
+        ],
+        dir.0.join("instances.log"),
+    );
+    assert_eq!(p.wait_exit(HANG), 0, "a FIFO does not hang the listing");
+    let out = std::process::Command::new(binary())
+        .args([
+            "instances",
+            "--discovery",
+            &format!("file:{}", root.display()),
+        ])
+        .output()
+        .expect("instances");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "a header and one line per entry:\n{text}");
+    assert!(text.contains("fifo: not a regular file"), "{text}");
+    assert!(
+        text.contains("evil\\nabc") && text.contains("\\u{1b}[2J"),
+        "control characters are shown escaped:\n{text}"
+    );
+    assert!(
+        !text.contains('\u{1b}'),
+        "no raw escape reaches the terminal"
+    );
+}
+
+#[test]
+fn hostile_flag_values_exit_2_before_contacting_anything() {
+    let dir = TempDir::new("hostile-flags");
+    let mock = Mock::start(&dir.0, free_addr(), &[]);
+    let plain = dir.0.join("plain-file");
+    std::fs::write(&plain, "not a directory").expect("file");
+    let fifo = dir.0.join("cert-fifo.pem");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo")
+            .success()
+    );
+    let (plain, fifo) = (plain.display().to_string(), fifo.display().to_string());
+    let file_root = format!("file:{plain}");
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["--advertise", "10.0.0.1\n:7000"],
+        vec!["--advertise", "evil\u{1b}[2J:7000"],
+        vec!["--discovery", &file_root],
+        vec!["--discovery", "file:/proc/self"],
+        vec!["--tls-cert", "/dev/zero", "--tls-key", "/dev/zero"],
+        vec!["--tls-cert", &fifo, "--tls-key", &fifo],
+        vec!["--max-message-bytes", "0"],
+        vec!["--max-header-list-bytes", "0"],
+        vec!["--max-connections", "0"],
+        vec!["--idle-timeout", "0s"],
+    ];
+    for (i, extra) in cases.iter().enumerate() {
+        let mut args = vec![
+            "run".to_string(),
+            "--engine-endpoint".into(),
+            mock.grpc.to_string(),
+            "--admin-listen".into(),
+            free_addr().to_string(),
+            "--listen".into(),
+            free_addr().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut p = Proc::spawn(&args, dir.0.join(format!("flags-{i}.log")));
+        let code = p.wait_exit(HANG);
+        assert_eq!(code, 2, "{extra:?} exits 2; log:\n{}", p.log_text());
+        assert!(p.log_text().contains("error:"), "{extra:?} explains itself");
+    }
+    assert_eq!(mock.stats()["connections"], 0, "nothing was contacted");
+}

@@ -1,0 +1,111 @@
+//! A hand-written HTTP/2 caller for the tests that need what no well-behaved
+//! client library sends: floods of control frames, silence after the preface,
+//! a look at the exact frames (and flags) the sidecar sends back.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+pub const DATA: u8 = 0x0;
+pub const HEADERS: u8 = 0x1;
+pub const PRIORITY: u8 = 0x2;
+pub const SETTINGS: u8 = 0x4;
+pub const PING: u8 = 0x6;
+pub const GOAWAY: u8 = 0x7;
+pub const WINDOW_UPDATE: u8 = 0x8;
+pub const ACK: u8 = 0x1;
+pub const END_STREAM: u8 = 0x1;
+pub const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+/// One frame on the wire.
+pub fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    f.push(kind);
+    f.push(flags);
+    f.extend(stream.to_be_bytes());
+    f.extend(payload);
+    f
+}
+
+/// A frame read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: u8,
+    pub flags: u8,
+    pub stream: u32,
+    pub payload: Vec<u8>,
+}
+
+impl Frame {
+    /// A GOAWAY's error code.
+    pub fn goaway_code(&self) -> Option<u32> {
+        (self.kind == GOAWAY && self.payload.len() >= 8).then(|| {
+            u32::from_be_bytes([
+                self.payload[4],
+                self.payload[5],
+                self.payload[6],
+                self.payload[7],
+            ])
+        })
+    }
+}
+
+/// A raw connection to the request plane.
+pub struct RawH2 {
+    pub stream: TcpStream,
+}
+
+impl RawH2 {
+    /// Connects (TCP only: nothing is sent yet).
+    pub fn connect(addr: SocketAddr) -> RawH2 {
+        let stream = TcpStream::connect(addr).expect("connect to the request plane");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("read timeout");
+        RawH2 { stream }
+    }
+
+    /// Sends the client preface and an empty SETTINGS frame.
+    pub fn handshake(&mut self) {
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(frame(SETTINGS, 0, 0, &[]));
+        self.stream.write_all(&hello).expect("preface");
+    }
+
+    pub fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes)
+    }
+
+    /// The next frame; `Err` at the end of the stream or on a timeout.
+    pub fn read_frame(&mut self) -> std::io::Result<Frame> {
+        let mut head = [0u8; 9];
+        self.stream.read_exact(&mut head)?;
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        self.stream.read_exact(&mut payload)?;
+        Ok(Frame {
+            kind: head[3],
+            flags: head[4],
+            stream: u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff,
+            payload,
+        })
+    }
+
+    /// Reads until the connection ends; every frame seen, and whether it
+    /// ended (rather than timing out).
+    pub fn read_to_end(&mut self) -> (Vec<Frame>, bool) {
+        let mut frames = Vec::new();
+        loop {
+            match self.read_frame() {
+                Ok(f) => frames.push(f),
+                Err(e) => {
+                    let ended = !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    );
+                    return (frames, ended);
+                }
+            }
+        }
+    }
+}
