@@ -565,3 +565,38 @@ fn hostile_flag_values_exit_2_before_contacting_anything() {
     }
     assert_eq!(mock.stats()["connections"], 0, "nothing was contacted");
 }
+
+/// Someone who can write the discovery directory sees the instance id (in
+/// `/state`) and the pid (in the record): the temporary file once had a name
+/// built from both, and followed a symbolic link placed there. Removing the
+/// record makes the sidecar write it again, through the link.
+#[test]
+fn the_record_is_never_written_through_a_link_placed_in_the_registry() {
+    let dir = TempDir::new("tmp-link");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let record = sidecar.wait_for_record(HANG);
+    let victim = dir.0.join("victim.txt");
+    std::fs::write(&victim, "precious").expect("victim");
+    let id = sidecar.instance_id();
+    let predictable = record
+        .parent()
+        .expect("records dir")
+        .join(format!(".{id}.json.{}.tmp", sidecar.proc.pid()));
+    std::os::unix::fs::symlink(&victim, &predictable).expect("plant the link");
+    std::fs::remove_file(&record).expect("remove the record");
+    wait_until(HANG, "the record to be written again", || record.exists());
+    assert_eq!(
+        std::fs::read_to_string(&victim).expect("victim"),
+        "precious",
+        "the file behind the link is untouched"
+    );
+    assert!(
+        std::fs::symlink_metadata(&record)
+            .expect("record")
+            .file_type()
+            .is_file(),
+        "the record is a file of its own"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
