@@ -240,12 +240,14 @@ fn a_window_update_flood_is_cut() {
 }
 
 #[test]
-fn silent_connections_are_closed_after_the_handshake_or_idle_timeout() {
-    let dir = TempDir::new("silent");
+fn a_connection_that_never_sends_the_preface_is_closed() {
+    let dir = TempDir::new("mute");
+    // Idle connections are left alone here: only the handshake timeout can
+    // close this one.
     let (_mock, mut sidecar) = serving(
         &dir.0,
         &[],
-        &["--handshake-timeout", "1s", "--idle-timeout", "2s"],
+        &["--handshake-timeout", "1s", "--idle-timeout", "1h"],
     );
     // Connected, and never a byte: closed once the handshake timeout passed
     // (the 30 s read timeout of the test caller would say "not closed").
@@ -256,7 +258,14 @@ fn silent_connections_are_closed_after_the_handshake_or_idle_timeout() {
         frames.iter().all(|f| f.kind == raw_h2::SETTINGS),
         "nothing but the server's own SETTINGS: {frames:?}"
     );
-    // A handshake, then nothing: idle.
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn a_connection_without_calls_is_sent_goaway_after_the_idle_timeout() {
+    let dir = TempDir::new("idle");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &["--idle-timeout", "2s"]);
     let mut idle = RawH2::connect(sidecar.listen);
     idle.handshake();
     let (frames, ended) = idle.read_to_end();
