@@ -1,5 +1,12 @@
-//! Generates the TensorRT-LLM client and server from our own proto, with the
+//! Generates the engine APIs' clients and servers from our own protos, with the
 //! `protoc` that protoc-bin-vendored ships (no system protoc needed).
+
+const PROTOS: [&str; 4] = [
+    "proto/trtllm_service.proto",
+    "proto/openengine.proto",
+    "proto/vllm_engine.proto",
+    "proto/sglang_scheduler.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = prost_build::Config::new();
@@ -7,7 +14,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        .compile_with_config(config, &["proto/trtllm_service.proto"], &["proto"])?;
-    println!("cargo:rerun-if-changed=proto/trtllm_service.proto");
+        .compile_with_config(config, &PROTOS, &["proto"])?;
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={proto}");
+    }
     Ok(())
 }

@@ -19,6 +19,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
   # Debian starts a system etcd on install where it can; the tests use their own.
 fi
+# A real gRPC C-core client (Python grpcio) checks what callers read through the
+# sidecar (hardening::a_grpcio_caller_sees_the_engines_trailers_only_status_unchanged).
+if ! python3 -c 'import grpc' 2>/dev/null; then
+  log "installing grpcio (pip)"
+  python3 -m pip install --quiet grpcio
+fi
 
 log "cargo fmt --check"
 cargo fmt --all -- --check

@@ -2,6 +2,23 @@
 //! logging, builds the runtime and hands over to the IO layer; each subcommand
 //! lives in `commands/`.
 
+/// `println!` that never panics: a closed pipe (`llm-sidecar instances | head`)
+/// means the reader is gone, so the rest of the output is dropped quietly.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `print!` that never panics (see `outln!`).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod cli;
 mod commands;
 mod runtime;

@@ -55,12 +55,12 @@ pub fn run(args: BenchArgs) -> i32 {
     match runtime(None).block_on(llm_sidecar_loadgen::run(config)) {
         Ok(report) => {
             if args.json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&report).unwrap_or_default()
                 );
             } else {
-                print!("{report}");
+                out!("{report}");
             }
             i32::from(!report.errors.is_empty())
         }

@@ -27,7 +27,7 @@ struct Demo {
 
 impl Demo {
     fn say(&self, text: impl AsRef<str>) {
-        println!(
+        outln!(
             "[{:>6} ms] {}",
             self.start.elapsed().as_millis(),
             text.as_ref()
@@ -79,7 +79,7 @@ fn demo() -> Result<(), String> {
     let discovery = dir.join("discovery");
     let sidecar_log = dir.join("sidecar.log");
 
-    println!(
+    outln!(
         "llm-sidecar demo: a mock TensorRT-LLM engine, the sidecar beside it, and an engine failure.\n"
     );
     demo.say(format!("starting the mock TensorRT-LLM engine on {engine}"));
@@ -144,7 +144,7 @@ fn demo() -> Result<(), String> {
         for line in text.lines().filter(|l| {
             l.contains("\"address\"") || l.contains("\"name\"") || l.contains("\"instance_id\"")
         }) {
-            println!("           {}", line.trim());
+            outln!("           {}", line.trim());
         }
     }
 
@@ -238,18 +238,18 @@ fn demo() -> Result<(), String> {
     });
     let code = code.ok_or("the sidecar did not exit")?;
     demo.say(format!("the sidecar exited with code {code}"));
-    println!();
+    outln!();
     if let Ok(log) = std::fs::read_to_string(&sidecar_log) {
-        println!("the sidecar's log, as an operator sees it:");
+        outln!("the sidecar's log, as an operator sees it:");
         for line in log
             .lines()
             .filter(|l| l.contains("ERROR") || l.contains("withdrawn") || l.contains("exiting"))
         {
-            println!("  {line}");
+            outln!("  {line}");
         }
     }
-    println!();
-    println!(
+    outln!();
+    outln!(
         "exit code {code} means the engine was lost. A supervisor restarts the worker: in Kubernetes\n\
          the sidecar container exits, the pod restarts (restartPolicy: Always), the engine reloads its\n\
          model, and the sidecar registers the new instance once it is ready. Exit 0 would mean a clean\n\

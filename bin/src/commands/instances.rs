@@ -70,23 +70,28 @@ pub fn run(args: InstancesArgs) -> i32 {
         }
     };
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&listed).unwrap_or_else(|_| "[]".into())
         );
         return 0;
     }
     if listed.is_empty() {
-        println!("no instances registered in {uri}");
+        outln!("no instances registered in {uri}");
         return 0;
     }
-    println!(
+    outln!(
         "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} REGISTERED",
-        "INSTANCE", "ENGINE", "ADDRESS", "PID", "MODEL", "VERSION"
+        "INSTANCE",
+        "ENGINE",
+        "ADDRESS",
+        "PID",
+        "MODEL",
+        "VERSION"
     );
     for entry in &listed {
         match &entry.content {
-            Listed::Record(r) => println!(
+            Listed::Record(r) => outln!(
                 "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} {}",
                 shown(&r.instance_id),
                 shown(&r.engine.kind),
@@ -96,7 +101,7 @@ pub fn run(args: InstancesArgs) -> i32 {
                 shown(&r.engine.version),
                 shown(&r.registered_at)
             ),
-            Listed::Invalid { error } => println!(
+            Listed::Invalid { error } => outln!(
                 "{:<18} invalid record at {}: {}",
                 "-",
                 shown(&entry.key),

@@ -132,7 +132,8 @@ fn a_caller_holding_every_engine_stream_does_not_block_other_callers() {
         &["--max-concurrent-streams", "20", "--token-delay", "20ms"],
         &[],
     );
-    let hog = bench_spawn(
+    // Calls of a minute each: none of them can end while the test looks.
+    let mut hog = bench_spawn(
         sidecar.listen,
         &[
             "-c",
@@ -140,7 +141,7 @@ fn a_caller_holding_every_engine_stream_does_not_block_other_callers() {
             "--connections",
             "1",
             "-n",
-            "400",
+            "3000",
             "--calls",
             "30",
         ],
@@ -162,7 +163,8 @@ fn a_caller_holding_every_engine_stream_does_not_block_other_callers() {
         completed, 0,
         "...while every one of the first caller's 30 calls is still running"
     );
-    drop(hog);
+    let _ = hog.kill();
+    let _ = hog.wait();
     sidecar.proc.signal("TERM");
     sidecar.proc.wait_exit(HANG);
 }

@@ -84,8 +84,9 @@ impl Service<Uri> for EngineConnector {
 /// records the stream limit, then lets everything pass untouched.
 pub struct SettingsSpy<S> {
     inner: S,
-    /// `None` once the first SETTINGS frame was read.
-    reading: Option<(FrameReader, SettingsPayload, bool)>,
+    /// `None` once the first SETTINGS frame was read; else the reader, the
+    /// payload so far, and its bytes still to come once the frame started.
+    reading: Option<(FrameReader, SettingsPayload, Option<u32>)>,
     limit: StreamLimit,
 }
 
@@ -93,28 +94,36 @@ impl<S> SettingsSpy<S> {
     fn new(inner: S, limit: StreamLimit) -> Self {
         SettingsSpy {
             inner,
-            reading: Some((
-                FrameReader::server_side(),
-                SettingsPayload::default(),
-                false,
-            )),
+            reading: Some((FrameReader::server_side(), SettingsPayload::default(), None)),
             limit,
         }
     }
 
     fn saw(&mut self, bytes: &[u8]) {
-        let Some((reader, payload, in_settings)) = self.reading.as_mut() else {
+        use std::cell::Cell;
+        let Some((reader, payload, left_before)) = self.reading.as_mut() else {
             return;
         };
+        // Payload bytes of the first SETTINGS frame still to come; `Some(0)`
+        // once it is complete (other frames may follow it in the same chunk).
+        let left: Cell<Option<u32>> = Cell::new(*left_before);
         reader.feed(
             bytes,
             |h| {
-                *in_settings = h.kind == kind::SETTINGS && h.flags & flag::ACK == 0;
-                *in_settings
+                let first =
+                    left.get().is_none() && h.kind == kind::SETTINGS && h.flags & flag::ACK == 0;
+                if first {
+                    left.set(Some(h.len));
+                }
+                first
             },
-            |p| payload.push(p),
+            |p| {
+                payload.push(p);
+                left.set(left.get().map(|l| l.saturating_sub(p.len() as u32)));
+            },
         );
-        if *in_settings && reader.at_boundary() {
+        *left_before = left.get();
+        if left.get() == Some(0) {
             self.limit
                 .set(payload.value(SETTINGS_MAX_CONCURRENT_STREAMS));
             self.reading = None;
@@ -165,5 +174,40 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for SettingsSpy<S> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend([kind, flags, 0, 0, 0, 0]);
+        f.extend(payload);
+        f
+    }
+
+    #[test]
+    fn the_stream_limit_is_read_from_the_first_settings_frame_whatever_follows_it() {
+        let mut settings = SETTINGS_MAX_CONCURRENT_STREAMS.to_be_bytes().to_vec();
+        settings.extend(20u32.to_be_bytes());
+        let mut bytes = frame(kind::SETTINGS, 0, &settings);
+        bytes.extend(frame(0x8, 0, &[0, 0, 0, 1]));
+        bytes.extend(frame(kind::SETTINGS, flag::ACK, &[]));
+        for split in 1..=bytes.len() {
+            let limit = StreamLimit::default();
+            let mut spy = SettingsSpy::new((), limit.clone());
+            for chunk in bytes.chunks(split) {
+                spy.saw(chunk);
+            }
+            assert_eq!(limit.get(), Some(20), "split {split}");
+            assert!(spy.reading.is_none(), "done after the first SETTINGS");
+        }
+        let unlimited = StreamLimit::default();
+        let mut spy = SettingsSpy::new((), unlimited.clone());
+        spy.saw(&frame(kind::SETTINGS, 0, &[]));
+        assert_eq!(unlimited.get(), None, "no limit given: unlimited");
+        assert!(spy.reading.is_none());
     }
 }

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The hardening attacks, measured: a well-behaved caller's calls/s through the
+# sidecar with no attack, while one caller holds every engine stream, and while
+# a caller floods PING, SETTINGS, PRIORITY or WINDOW_UPDATE frames, on one
+# connection (once) and reconnecting whenever the sidecar cuts it (again).
+# docs/RELIABILITY.md ("Hardening") quotes a run.
+#
+#   bash scripts/attacks.sh [path/to/llm-sidecar]     (default: the release build)
+#
+# MOCK=path/to/llm-sidecar runs the mock engine from another build (an older
+# sidecar's own mock may lack --max-concurrent-streams).
+# Needs python3 (for the flooder). Ports 47000-47099 on loopback.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/release/llm-sidecar}
+[ -x "$bin" ] || cargo build --release --locked -p llm-sidecar
+mock=${MOCK:-$bin}
+flood=bin/tests/process/clients/h2_flood.py
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+
+calm() { # calls/s of 4 streams of 16 tokens for 5 s, and the errors
+  "$bin" bench --target "127.0.0.1:$1" -c 4 -n 16 -d 5s --json | python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+print("%.0f calls/s, errors %s" % (r["calls_per_s"], r["errors"] or "none"))'
+}
+
+start() { # mock flags...; starts the mock on 47051 and the sidecar on 47061
+  "$mock" mock-engine --listen 127.0.0.1:47051 --control-listen 127.0.0.1:47052 "$@" >"$work/mock.log" 2>&1 &
+  sleep 1
+  "$bin" run --engine-endpoint 127.0.0.1:47051 --listen 127.0.0.1:47061 --admin-listen 127.0.0.1:47090 \
+    --discovery "file:$work/discovery" --retry-interval 200ms >"$work/sidecar.log" 2>&1 &
+  for _ in $(seq 100); do curl -sf 127.0.0.1:47090/ready >/dev/null && return; sleep 0.1; done
+  echo "sidecar did not become ready"; cat "$work/sidecar.log"; exit 1
+}
+
+stop() { kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; sleep 1; }
+
+echo "binary: $bin"
+start
+echo "no attack:                      $(calm 47061)"
+for mode in once again; do
+  for kind in ping settings priority window_update; do
+    python3 "$flood" 127.0.0.1:47061 "$kind" 7 "$mode" >"$work/flood.json" &
+    flooder=$!
+    sleep 1
+    result=$(calm 47061)
+    wait "$flooder" || true
+    echo "$(printf '%-14s' "$kind") flood ($mode): $result; flooder: $(cat "$work/flood.json")"
+  done
+done
+stop
+start --max-concurrent-streams 100 --token-delay 20ms
+"$bin" bench --target 127.0.0.1:47061 -c 150 --connections 1 -n 5000 -d 30s --json >/dev/null 2>&1 &
+sleep 2
+echo "one caller holds 150 streams (engine allows 100 per connection):"
+echo "                                $(timeout 60 bash -c "$(declare -f calm); bin=$bin; calm 47061" || echo 'no call completed within 60 s')"
+stop
