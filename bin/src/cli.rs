@@ -75,11 +75,37 @@ pub enum LogFormat {
     Json,
 }
 
-/// Engines the sidecar can watch.
+/// The engine APIs the sidecar follows, and `auto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum EngineKindArg {
-    /// NVIDIA TensorRT-LLM (trtllm.TrtllmService; liveness service "liveness").
+    /// Find out at start-up which of the APIs below the engine serves.
+    Auto,
+    /// TensorRT-LLM's trtllm.TrtllmService (the SMG gateway's API); Watch
+    /// "liveness", HealthCheck "OK" as fresh load, its self-description as identity.
     Trtllm,
+    /// TensorRT-LLM's OpenEngine server (openengine.v1.Control); Watch
+    /// "liveness", Control.GetLoad as fresh load, ServerInfo.instance_id as identity.
+    Openengine,
+    /// vLLM (vllm.grpc.engine.VllmEngine); its health polled, GetLoads as
+    /// fresh load, its connection as identity.
+    Vllm,
+    /// SGLang (sglang.grpc.scheduler.SglangScheduler); its health polled after
+    /// its warm-up, GetLoads as fresh load, start_time as identity.
+    Sglang,
+}
+
+impl EngineKindArg {
+    /// The choice the IO layer takes.
+    pub fn choice(self) -> llm_sidecar_io::engine::EngineChoice {
+        use llm_sidecar_io::engine::{EngineChoice, EngineKind};
+        match self {
+            EngineKindArg::Auto => EngineChoice::Auto,
+            EngineKindArg::Trtllm => EngineChoice::Kind(EngineKind::Trtllm),
+            EngineKindArg::Openengine => EngineChoice::Kind(EngineKind::OpenEngine),
+            EngineKindArg::Vllm => EngineChoice::Kind(EngineKind::Vllm),
+            EngineKindArg::Sglang => EngineChoice::Kind(EngineKind::Sglang),
+        }
+    }
 }
 
 /// Flag values like `300ms`, `5s`, `2m` (clap's value parser).

@@ -7,10 +7,10 @@ use std::time::Duration;
 /// arms a deadline in the past) for any value, including zero.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Config {
-    /// How the engine is named in operator-facing lines: "TensorRT-LLM", "vLLM", "SGLang".
+    /// How the engine is named in lines until it is ready ("TensorRT-LLM",
+    /// "vLLM", "SGLang"; empty while its kind is still to be found): from then
+    /// on, the name it gave (`Event::EngineReady`).
     pub engine_display_name: String,
-    /// The gRPC health service name watched for liveness (TensorRT-LLM: "liveness").
-    pub liveness_service: String,
     /// This sidecar's instance id, the last segment of its discovery key.
     pub instance_id: u64,
     /// Pause between two attempts of a failed discovery write.

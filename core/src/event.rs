@@ -8,10 +8,18 @@ use std::time::Duration;
 /// [`crate::Lifecycle::handle_timeout`] (and the time of every event).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Event {
-    /// The engine answered its start-up calls; `identity` is its self-description.
+    /// The engine answered its start-up calls.
     EngineReady {
-        /// The engine's identity (for TensorRT-LLM, built from GetServerInfo and GetModelInfo).
+        /// What the identity monitor compares: the engine's instance id where its
+        /// API has one, else its self-description.
         identity: String,
+        /// How lines name the engine from now on ("TensorRT-LLM", "vLLM", …).
+        name: String,
+        /// The engine's own instance id, for the loss line, where its API has
+        /// one; `None`: the line names the worker's instance.
+        instance: Option<String>,
+        /// The grpc.health.v1 service followed for liveness, for warnings.
+        liveness_service: String,
     },
     /// The oldest outstanding `Register` action succeeded.
     Registered,
@@ -49,6 +57,12 @@ pub enum Event {
     },
     /// SIGTERM or SIGINT.
     ShutdownSignal,
+    /// The connection the monitors use closed or failed, for an engine whose
+    /// API has no identity of its own (that connection is its identity).
+    EngineConnectionLost {
+        /// What happened to the connection.
+        error: String,
+    },
     /// The number of forwarded calls in flight changed.
     InFlightChanged {
         /// Calls admitted and not yet ended.
@@ -56,7 +70,9 @@ pub enum Event {
     },
 }
 
-/// One thing seen on the `grpc.health.v1.Health/Watch` stream for the liveness service.
+/// One thing seen while following the liveness service: on its
+/// `grpc.health.v1.Health/Watch` stream, or (for engines whose Watch ends after
+/// one message) in a `Check` polled at an interval.
 ///
 /// The IO layer reports what it saw, raw; the core's [`crate::liveness`] decides what it means.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -69,6 +85,13 @@ pub enum LivenessObservation {
     /// The RPC or the stream failed with a gRPC status (transport errors, resets and
     /// keepalive timeouts arrive as UNKNOWN or UNAVAILABLE).
     StreamFailed {
+        /// The gRPC status code as a number (0..=16).
+        code: i32,
+        /// The status message.
+        message: String,
+    },
+    /// A polled `Check` failed with a gRPC status.
+    CheckFailed {
         /// The gRPC status code as a number (0..=16).
         code: i32,
         /// The status message.

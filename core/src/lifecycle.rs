@@ -240,6 +240,9 @@ impl Lifecycle {
             config: _,
             startup_deadline,
             identity,
+            engine_name,
+            engine_instance,
+            liveness_service,
             book:
                 RecordBook {
                     outstanding,
@@ -259,7 +262,7 @@ impl Lifecycle {
         reads_startup_deadline
             .then(|| rel(*startup_deadline))
             .hash(&mut h);
-        identity.hash(&mut h);
+        (identity, engine_name, engine_instance, liveness_service).hash(&mut h);
         (outstanding, maybe_present, withdraw_requested).hash(&mut h);
         retry_at.map(rel).hash(&mut h);
         watch.hash(&mut h);

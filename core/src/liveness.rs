@@ -162,6 +162,31 @@ pub fn interpret(
                 )
             }
         }
+        LivenessObservation::CheckFailed { code, message } => {
+            let unsupported_code =
+                *code == grpc_code::UNIMPLEMENTED || *code == grpc_code::NOT_FOUND;
+            if phase == AwaitingFirst && unsupported_code {
+                let warning = format!(
+                    "engine does not serve grpc.health.v1 Check for \"{service}\" ({}: {message}); \
+                     liveness is not polled, the stale-load, identity and connection monitors still are",
+                    grpc_code_name(*code)
+                );
+                (
+                    Unsupported,
+                    Verdict::Unsupported {
+                        warning: Some(warning),
+                    },
+                )
+            } else {
+                (
+                    Concluded,
+                    Verdict::Loss(LossReason::HealthCheckFailed {
+                        code: *code,
+                        message: message.clone(),
+                    }),
+                )
+            }
+        }
         LivenessObservation::NotOpened { waited } => match phase {
             AwaitingFirst => (
                 Concluded,
@@ -307,6 +332,23 @@ mod tests {
             v[1],
             loss("liveness stream failed: UNAVAILABLE: Cancelling all calls")
         );
+    }
+
+    #[test]
+    fn a_polled_check_failing_is_a_loss_unless_the_service_is_missing_from_the_start() {
+        let v = texts(run(&[
+            O::Status(1),
+            O::CheckFailed {
+                code: 14,
+                message: "gone".into(),
+            },
+        ]));
+        assert_eq!(v[1], loss("health check failed: UNAVAILABLE: gone"));
+        let v = run(&[O::CheckFailed {
+            code: grpc_code::UNIMPLEMENTED,
+            message: "no health".into(),
+        }]);
+        assert!(matches!(&v[0], Verdict::Unsupported { warning: Some(_) }));
     }
 
     #[test]

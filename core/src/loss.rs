@@ -37,6 +37,18 @@ pub enum LossReason {
         /// Time since the last fresh answer.
         stale_for: Duration,
     },
+    /// A polled health `Check` failed.
+    HealthCheckFailed {
+        /// The gRPC status code as a number.
+        code: i32,
+        /// The status message.
+        message: String,
+    },
+    /// The connection to an engine that has no identity of its own closed.
+    EngineConnectionLost {
+        /// What happened to it.
+        error: String,
+    },
     /// Another engine answers on the engine's port.
     IdentityChanged {
         /// The identity read at start-up.
@@ -48,7 +60,7 @@ pub enum LossReason {
 
 impl LossReason {
     /// Every metric label, in the order `/metrics` lists them.
-    pub const LABELS: [&'static str; 7] = [
+    pub const LABELS: [&'static str; 9] = [
         "liveness_status",
         "liveness_deregistered",
         "liveness_stream_ended",
@@ -56,6 +68,8 @@ impl LossReason {
         "liveness_not_opened",
         "stale_load",
         "identity_changed",
+        "health_check_failed",
+        "engine_connection_lost",
     ];
 
     /// The `reason` label of `llm_sidecar_engine_losses_total`.
@@ -68,6 +82,8 @@ impl LossReason {
             LossReason::LivenessNotOpened { .. } => Self::LABELS[4],
             LossReason::StaleLoad { .. } => Self::LABELS[5],
             LossReason::IdentityChanged { .. } => Self::LABELS[6],
+            LossReason::HealthCheckFailed { .. } => Self::LABELS[7],
+            LossReason::EngineConnectionLost { .. } => Self::LABELS[8],
         }
     }
 }
@@ -102,6 +118,19 @@ impl fmt::Display for LossReason {
             }
             LossReason::IdentityChanged { old, new } => {
                 write!(f, "new engine identity {old} -> {new}")
+            }
+            LossReason::HealthCheckFailed { code, message } if message.is_empty() => {
+                write!(f, "health check failed: {}", grpc_code_name(*code))
+            }
+            LossReason::HealthCheckFailed { code, message } => {
+                write!(
+                    f,
+                    "health check failed: {}: {message}",
+                    grpc_code_name(*code)
+                )
+            }
+            LossReason::EngineConnectionLost { error } => {
+                write!(f, "engine connection lost: {error}")
             }
         }
     }
@@ -171,6 +200,21 @@ mod tests {
                 },
                 "new engine identity a -> b",
                 "identity_changed",
+            ),
+            (
+                LossReason::HealthCheckFailed {
+                    code: 14,
+                    message: "connection refused".into(),
+                },
+                "health check failed: UNAVAILABLE: connection refused",
+                "health_check_failed",
+            ),
+            (
+                LossReason::EngineConnectionLost {
+                    error: "the engine closed the connection".into(),
+                },
+                "engine connection lost: the engine closed the connection",
+                "engine_connection_lost",
             ),
         ];
         let mut labels = std::collections::BTreeSet::new();

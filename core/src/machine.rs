@@ -144,6 +144,10 @@ impl StopCause {
 
 fn failure_text(failure: StartupFailure, engine: &str) -> String {
     match failure {
+        // An engine kind found at start-up has no name until it answered.
+        StartupFailure::EngineNotReady if engine.is_empty() => {
+            "the engine was not ready".to_string()
+        }
         StartupFailure::EngineNotReady => format!("the {engine} engine was not ready"),
         StartupFailure::NotRegistered => {
             "the worker could not be registered in discovery".to_string()
@@ -164,6 +168,13 @@ pub(crate) struct Worker {
     pub(crate) config: Config,
     pub(crate) startup_deadline: Time,
     pub(crate) identity: Option<String>,
+    /// How lines name the engine: the configured name until it is ready, then
+    /// the name it gave.
+    pub(crate) engine_name: String,
+    /// The engine's own instance id, for the loss line, once it is ready.
+    pub(crate) engine_instance: Option<String>,
+    /// The liveness service, for warnings, once the engine is ready.
+    pub(crate) liveness_service: String,
     pub(crate) book: RecordBook,
     pub(crate) retry_at: Option<Time>,
     pub(crate) watch: WatchPhase,
@@ -182,8 +193,11 @@ impl Worker {
     pub(crate) fn new(config: Config, now: Time) -> Self {
         Worker {
             startup_deadline: now + config.startup_deadline,
+            engine_name: config.engine_display_name.clone(),
             config,
             identity: None,
+            engine_instance: None,
+            liveness_service: String::new(),
             book: RecordBook::default(),
             retry_at: None,
             watch: WatchPhase::AwaitingFirst,
@@ -197,11 +211,18 @@ impl Worker {
     }
 
     fn engine(&self) -> &str {
-        &self.config.engine_display_name
+        &self.engine_name
     }
 
     fn instance(&self) -> String {
         self.config.instance_hex()
+    }
+
+    /// The instance a loss line names: the engine's own where it has one.
+    fn lost_instance(&self) -> String {
+        self.engine_instance
+            .clone()
+            .unwrap_or_else(|| self.instance())
     }
 
     fn arm_retry(&mut self, now: Time) {
@@ -265,6 +286,7 @@ impl Worker {
             | Event::ProbeSucceeded
             | Event::ProbeFailed { .. }
             | Event::IdentityObserved { .. }
+            | Event::EngineConnectionLost { .. }
             | Event::ShutdownSignal
             | Event::InFlightChanged { .. } => {}
         }
@@ -324,7 +346,7 @@ impl Worker {
         match event {
             Event::Liveness(observation) => {
                 let (phase, verdict) =
-                    liveness::interpret(self.watch, observation, &self.config.liveness_service);
+                    liveness::interpret(self.watch, observation, &self.liveness_service);
                 self.watch = phase;
                 match verdict {
                     Verdict::Healthy => None,
@@ -379,6 +401,9 @@ impl Worker {
                 }),
                 Some(_) | None => None,
             },
+            Event::EngineConnectionLost { error } => Some(LossReason::EngineConnectionLost {
+                error: error.clone(),
+            }),
             Event::EngineReady { .. }
             | Event::Registered
             | Event::RegistrationFailed { .. }
@@ -411,6 +436,7 @@ impl Worker {
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
                 | Event::IdentityObserved { .. }
+                | Event::EngineConnectionLost { .. }
                 | Event::ShutdownSignal,
             ) => {}
         }
@@ -490,9 +516,17 @@ impl Worker {
             Input::Event(happened) => happened,
         };
         match happened {
-            Event::EngineReady { identity } => {
+            Event::EngineReady {
+                identity,
+                name,
+                instance,
+                liveness_service,
+            } => {
                 if self.identity.is_none() {
                     self.identity = Some(identity.clone());
+                    self.engine_name = name.clone();
+                    self.engine_instance = instance.clone();
+                    self.liveness_service = liveness_service.clone();
                     context.log(
                         Level::Info,
                         format!(
@@ -532,7 +566,8 @@ impl Worker {
             | Event::Liveness(_)
             | Event::ProbeSucceeded
             | Event::ProbeFailed { .. }
-            | Event::IdentityObserved { .. } => Handled,
+            | Event::IdentityObserved { .. }
+            | Event::EngineConnectionLost { .. } => Handled,
         }
     }
 
@@ -590,7 +625,8 @@ impl Worker {
             | Event::Liveness(_)
             | Event::ProbeSucceeded
             | Event::ProbeFailed { .. }
-            | Event::IdentityObserved { .. } => Handled,
+            | Event::IdentityObserved { .. }
+            | Event::EngineConnectionLost { .. } => Handled,
         }
     }
 
@@ -613,7 +649,7 @@ impl Worker {
                 format!(
                     "{} engine lost during drain: {reason} (instance {}); exit code stays 0",
                     self.engine(),
-                    self.instance()
+                    self.lost_instance()
                 ),
             );
             *engine_lost = true;
@@ -649,6 +685,7 @@ impl Worker {
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
                 | Event::IdentityObserved { .. }
+                | Event::EngineConnectionLost { .. }
                 | Event::InFlightChanged { .. },
             ) => {}
         }
@@ -689,6 +726,7 @@ impl Worker {
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
                 | Event::IdentityObserved { .. }
+                | Event::EngineConnectionLost { .. }
                 | Event::InFlightChanged { .. },
             ) => {}
         }
@@ -760,7 +798,7 @@ impl Worker {
             format!(
                 "{} engine lost: {reason} (instance {})",
                 self.engine(),
-                self.instance()
+                self.lost_instance()
             ),
         );
         self.book.request(Op::Withdraw, context);
@@ -855,6 +893,7 @@ impl Worker {
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
                 | Event::IdentityObserved { .. }
+                | Event::EngineConnectionLost { .. }
                 | Event::ShutdownSignal
                 | Event::InFlightChanged { .. },
             ) => Handled,

@@ -12,7 +12,6 @@ use llm_sidecar_core::{
 fn config() -> Config {
     Config {
         engine_display_name: "TensorRT-LLM".into(),
-        liveness_service: "liveness".into(),
         instance_id: 0xabc,
         retry_interval: Duration::from_secs(1),
         startup_deadline: Duration::from_secs(60),
@@ -52,6 +51,9 @@ impl Driver {
             secs(1),
             Event::EngineReady {
                 identity: "trtllm 1.0".into(),
+                name: "TensorRT-LLM".into(),
+                instance: None,
+                liveness_service: "liveness".into(),
             },
         );
         self.feed(secs(1), Event::Registered);
@@ -84,6 +86,9 @@ fn engine_ready_then_registered_starts_serving() {
         secs(1),
         Event::EngineReady {
             identity: "id".into(),
+            name: "TensorRT-LLM".into(),
+            instance: None,
+            liveness_service: "liveness".into(),
         },
     );
     assert_eq!(without_logs(&a), vec![Action::Register]);
@@ -200,6 +205,9 @@ fn shutdown_while_the_first_register_is_in_flight_withdraws_before_exiting() {
         secs(1),
         Event::EngineReady {
             identity: "id".into(),
+            name: "TensorRT-LLM".into(),
+            instance: None,
+            liveness_service: "liveness".into(),
         },
     );
     let a = d.feed(secs(1), Event::ShutdownSignal);
@@ -231,6 +239,9 @@ fn failed_registration_is_retried_every_retry_interval_until_the_deadline() {
         secs(1),
         Event::EngineReady {
             identity: "id".into(),
+            name: "TensorRT-LLM".into(),
+            instance: None,
+            liveness_service: "liveness".into(),
         },
     );
     d.feed(
@@ -347,6 +358,9 @@ fn exited_absorbs_everything() {
         Event::Registered,
         Event::EngineReady {
             identity: "x".into(),
+            name: "TensorRT-LLM".into(),
+            instance: None,
+            liveness_service: "liveness".into(),
         },
     ] {
         assert!(d.feed(secs(2), e).is_empty());

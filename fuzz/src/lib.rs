@@ -15,7 +15,6 @@ fn duration(u: &mut Unstructured<'_>, max_ms: u64) -> arbitrary::Result<Duration
 fn config(u: &mut Unstructured<'_>) -> arbitrary::Result<Config> {
     Ok(Config {
         engine_display_name: "TensorRT-LLM".into(),
-        liveness_service: "liveness".into(),
         instance_id: u64::arbitrary(u)?,
         retry_interval: duration(u, 5_000)?,
         startup_deadline: duration(u, 120_000)?,

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::discovery::DiscoveryUri;
-use crate::engine::{ChannelSettings, EngineProfile};
+use crate::engine::{ChannelSettings, EngineChoice};
 use crate::parse::ConfigError;
 use crate::request_plane::Limits;
 use crate::tls::{EtcdTls, ServerTls};
@@ -33,6 +33,8 @@ pub struct Timings {
     pub keepalive_timeout: Duration,
     /// How often the stale-load probe runs.
     pub probe_interval: Duration,
+    /// How often liveness is polled, for kinds whose Watch ends after one message.
+    pub health_poll_interval: Duration,
     /// No fresh probe answer for this long means the engine is lost.
     pub stale_after: Duration,
     /// Calls are still admitted this long after a shutdown signal.
@@ -52,6 +54,7 @@ impl Default for Timings {
             keepalive_interval: Duration::from_secs(20),
             keepalive_timeout: Duration::from_secs(10),
             probe_interval: Duration::from_secs(5),
+            health_poll_interval: Duration::from_millis(100),
             stale_after: Duration::from_secs(30),
             router_grace: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(20),
@@ -78,6 +81,7 @@ impl Timings {
             ("--startup-deadline", self.startup_deadline),
             ("--keepalive-timeout", self.keepalive_timeout),
             ("--probe-interval", self.probe_interval),
+            ("--health-poll-interval", self.health_poll_interval),
             ("--drain-timeout", self.drain_timeout),
         ];
         for (flag, value) in positive {
@@ -125,8 +129,8 @@ fn out_of_range(flag: &'static str, value: Duration, message: &str) -> ConfigErr
 pub struct RunConfig {
     /// The engine's gRPC address, `host:port`.
     pub engine_endpoint: String,
-    /// Which engine, and how to watch it.
-    pub engine: EngineProfile,
+    /// Which engine API to follow, or `Auto` to find out at start-up.
+    pub engine: EngineChoice,
     /// Where the request plane listens.
     pub listen: SocketAddr,
     /// The address written to discovery, `host:port`.
@@ -141,8 +145,8 @@ pub struct RunConfig {
     pub component: String,
     /// Discovery key: endpoint.
     pub endpoint: String,
-    /// The grpc.health.v1 service watched for liveness.
-    pub liveness_service: String,
+    /// The grpc.health.v1 service followed for liveness; `None`: the kind's own.
+    pub liveness_service: Option<String>,
     /// All timings.
     pub timings: Timings,
     /// Request-plane limits.

@@ -35,7 +35,7 @@ use crate::discovery::{
     Discovery, DiscoveryUri, EngineRecord, EtcdDiscovery, FileDiscovery, Record,
 };
 use crate::engine::startup::EngineReady;
-use crate::engine::{self, EngineInfo};
+use crate::engine::{self, EngineInfo, EngineProfile, Following};
 use crate::exit_bounds::CONNECTIONS_CLOSE;
 use crate::request_plane::{self, OwnHealth, Plane};
 
@@ -179,19 +179,14 @@ impl Driver {
                     message: e.to_string(),
                 },
             )?;
-        let own_health = OwnHealth::new(config.engine.service_name());
+        let own_health = OwnHealth::new();
         let stream_limit = engine::StreamLimit::default();
         let pool = request_plane::EnginePool::new(
             engine_endpoint.clone(),
             stream_limit.clone(),
             config.limits.engine_connections as usize,
         );
-        let plane = Arc::new(Plane::new(
-            pool,
-            &own_health,
-            config.engine.health_rpc_path(),
-            config.limits,
-        ));
+        let plane = Arc::new(Plane::new(pool, &own_health, config.limits));
         let instance_id = new_instance_id();
         let instance_hex = format!("{instance_id:x}");
         let clock = Clock {
@@ -221,7 +216,8 @@ impl Driver {
         ));
         let (ready_tx, ready) = mpsc::channel(1);
         let wait = engine::startup::StartupWait {
-            profile: config.engine,
+            choice: config.engine,
+            liveness_service: config.liveness_service.clone(),
             address: config.engine_endpoint.clone(),
             endpoint: engine_endpoint,
             limit: stream_limit,
@@ -363,11 +359,21 @@ impl Driver {
         }
         let event = match input {
             Input::EngineReady(ready) => {
-                let identity = ready.0.identity.clone();
-                self.status
-                    .update(|s| s.engine_identity = Some(identity.clone()));
+                let info = &ready.info;
+                let profile = info.profile();
+                // From now on the request plane knows the API's own names.
+                let _ = self.plane.health_rpc_path.set(profile.health_rpc);
+                self.own_health.name_engine_service(profile.service);
+                let event = Event::EngineReady {
+                    identity: info.identity.clone(),
+                    name: info.display_name.clone(),
+                    instance: info.instance_id.clone(),
+                    liveness_service: self.liveness_service(profile),
+                };
+                let identity = info.identity.clone();
+                self.status.update(|s| s.engine_identity = Some(identity));
                 self.engine = Some(ready);
-                Event::EngineReady { identity }
+                event
             }
             Input::Event(event) => {
                 self.status.note_event(&event);
@@ -388,34 +394,67 @@ impl Driver {
         self.lifecycle.handle_event(now, event);
     }
 
+    /// The grpc.health.v1 service followed for liveness: the flag's, or the kind's.
+    fn liveness_service(&self, profile: &EngineProfile) -> String {
+        self.config
+            .liveness_service
+            .clone()
+            .unwrap_or_else(|| profile.liveness_service.to_string())
+    }
+
     /// Hands the worker's record to the discovery worker.
     fn register(&mut self) {
-        let Some((info, _)) = &self.engine else {
+        let Some(ready) = &self.engine else {
             return;
         };
-        let record = record(&self.config, &self.instance_hex, info);
+        let record = record(&self.config, &self.instance_hex, &ready.info);
         let _ = self
             .discovery_ops
             .send(DiscoveryOp::Register(Box::new(record)));
     }
 
-    /// Starts the liveness Watch and the stale-load probe on the engine's connection.
+    /// Starts the monitors on the engine's connection, as its kind has them:
+    /// the liveness Watch or poll, the stale-load probe, and for kinds without
+    /// an identity the watch on the connection itself.
     fn start_monitors(&mut self) {
-        let Some((_, channel)) = &self.engine else {
+        let Some(ready) = &self.engine else {
             return;
         };
-        let channel: Channel = channel.clone();
+        let profile = ready.info.profile();
+        let service = self.liveness_service(profile);
+        let channel: Channel = ready.channel.clone();
         let token = self.root.child_token();
         let t = &self.config.timings;
-        tokio::spawn(engine::monitors::watch_liveness(
-            channel.clone(),
-            self.config.liveness_service.clone(),
-            t.connect_attempt_timeout,
-            self.events.clone(),
-            token.clone(),
-        ));
+        match profile.following {
+            Following::Watch => {
+                tokio::spawn(engine::monitors::watch_liveness(
+                    channel.clone(),
+                    service,
+                    t.connect_attempt_timeout,
+                    self.events.clone(),
+                    token.clone(),
+                ));
+            }
+            Following::Poll => {
+                tokio::spawn(engine::monitors::poll_health(
+                    channel.clone(),
+                    service,
+                    t.health_poll_interval,
+                    t.connect_attempt_timeout,
+                    self.events.clone(),
+                    token.clone(),
+                ));
+            }
+        }
+        if profile.connection_is_identity {
+            tokio::spawn(engine::monitors::watch_connection(
+                ready.connection.clone(),
+                self.events.clone(),
+                token.clone(),
+            ));
+        }
         tokio::spawn(engine::monitors::probe(
-            self.config.engine,
+            profile.kind,
             channel,
             t.probe_interval,
             self.events.clone(),
@@ -499,7 +538,7 @@ fn record(config: &RunConfig, instance_hex: &str, info: &EngineInfo) -> Record {
         address: config.advertise.clone(),
         transport: "grpc".into(),
         engine: EngineRecord {
-            kind: config.engine.kind_name().into(),
+            kind: info.profile().name.into(),
             version: info.version.clone(),
             identity: info.identity.clone(),
         },
@@ -527,7 +566,6 @@ fn core_config(config: &RunConfig, instance_id: u64) -> CoreConfig {
     let t = &config.timings;
     CoreConfig {
         engine_display_name: config.engine.display_name().to_string(),
-        liveness_service: config.liveness_service.clone(),
         instance_id,
         retry_interval: t.retry_interval,
         startup_deadline: t.startup_deadline,

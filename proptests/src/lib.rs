@@ -29,7 +29,6 @@ pub mod diagram;
 pub fn test_config() -> Config {
     Config {
         engine_display_name: "TensorRT-LLM".into(),
-        liveness_service: "liveness".into(),
         instance_id: 0x5eed,
         retry_interval: Duration::from_secs(1),
         startup_deadline: Duration::from_secs(60),
@@ -85,6 +84,10 @@ pub enum AbstractEvent {
     IdentitySame,
     /// The probe reads another identity.
     IdentityChanged,
+    /// The monitors' connection to an engine without an identity closed.
+    ConnectionLost,
+    /// A polled health Check failed.
+    CheckFailed,
     /// SIGTERM.
     Shutdown,
     /// A client call is admitted.
@@ -102,7 +105,7 @@ pub enum AbstractEvent {
 
 impl AbstractEvent {
     /// Every kind, in declaration order.
-    pub const ALL: [AbstractEvent; 25] = [
+    pub const ALL: [AbstractEvent; 27] = [
         AbstractEvent::EngineReady,
         AbstractEvent::Registered,
         AbstractEvent::RegistrationFailed,
@@ -122,6 +125,8 @@ impl AbstractEvent {
         AbstractEvent::ProbeFailed,
         AbstractEvent::IdentitySame,
         AbstractEvent::IdentityChanged,
+        AbstractEvent::ConnectionLost,
+        AbstractEvent::CheckFailed,
         AbstractEvent::Shutdown,
         AbstractEvent::CallStarted,
         AbstractEvent::CallEnded,
@@ -207,6 +212,9 @@ impl World {
                     now,
                     Event::EngineReady {
                         identity: IDENTITY.into(),
+                        name: "TensorRT-LLM".into(),
+                        instance: None,
+                        liveness_service: "liveness".into(),
                     },
                 )
             }),
@@ -275,6 +283,18 @@ impl World {
                         identity: OTHER_IDENTITY.into(),
                     },
                 )
+            }),
+            A::ConnectionLost => (self.monitors || self.exited).then(|| {
+                Input::Event(
+                    now,
+                    Event::EngineConnectionLost {
+                        error: "the engine closed the connection".into(),
+                    },
+                )
+            }),
+            A::CheckFailed => live(LivenessObservation::CheckFailed {
+                code: 14,
+                message: "connection refused".into(),
             }),
             A::Shutdown => at(Event::ShutdownSignal),
             A::CallStarted => ((self.admission == Admission::Open

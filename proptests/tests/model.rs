@@ -16,7 +16,6 @@ use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state
 fn config() -> Config {
     Config {
         engine_display_name: "TensorRT-LLM".into(),
-        liveness_service: "liveness".into(),
         instance_id: 7,
         retry_interval: Duration::from_millis(1),
         startup_deadline: Duration::from_secs(1000),
@@ -149,7 +148,9 @@ fn deliverable(m: &Model, e: A) -> bool {
         | A::ProbeOk
         | A::ProbeFailed
         | A::IdentitySame
-        | A::IdentityChanged => m.monitors,
+        | A::IdentityChanged
+        | A::ConnectionLost
+        | A::CheckFailed => m.monitors,
     }
 }
 
@@ -185,6 +186,8 @@ impl ReferenceStateMachine for Reference {
                     A::Shutdown
                     | A::FireNextTimer
                     | A::IdentityChanged
+                    | A::ConnectionLost
+                    | A::CheckFailed
                     | A::LiveNotServing
                     | A::LiveUnknown
                     | A::LiveOutOfRange
@@ -272,7 +275,7 @@ impl ReferenceStateMachine for Reference {
                         m.ops.push(Op::Register);
                     }
                 }
-                A::FireNextTimer | A::IdentityChanged => m.lose(),
+                A::FireNextTimer | A::IdentityChanged | A::ConnectionLost => m.lose(),
                 A::Shutdown => {
                     m.phase = Phase::Draining;
                     m.retry = false;
@@ -286,7 +289,8 @@ impl ReferenceStateMachine for Reference {
                 | A::WatchEnded
                 | A::WatchFailed
                 | A::WatchUnimplemented
-                | A::WatchNotOpened =>
+                | A::WatchNotOpened
+                | A::CheckFailed =>
                 {
                     #[allow(
                         clippy::collapsible_match,

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use clap::Args;
 use llm_sidecar_io::discovery::DiscoveryUri;
-use llm_sidecar_io::engine::{EngineKind, EngineProfile};
 use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::tls::ServerTlsFiles;
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_host_port, parse_key_segment};
@@ -24,13 +23,9 @@ pub struct RunArgs {
         default_value = "127.0.0.1:50051"
     )]
     pub engine_endpoint: String,
-    /// Which engine runs beside the sidecar.
-    #[arg(
-        long,
-        env = "SIDECAR_ENGINE_KIND",
-        value_enum,
-        default_value = "trtllm"
-    )]
+    /// Which engine API the engine beside the sidecar serves; auto finds out
+    /// at start-up (and logs what it found).
+    #[arg(long, env = "SIDECAR_ENGINE_KIND", value_enum, default_value = "auto")]
     pub engine_kind: EngineKindArg,
     /// Where clients (routers, gateways) call the sidecar (host:port to bind).
     #[arg(long, env = "SIDECAR_LISTEN", default_value = "127.0.0.1:50061")]
@@ -59,8 +54,8 @@ pub struct RunArgs {
     /// Discovery key: endpoint.
     #[arg(long, env = "SIDECAR_ENDPOINT", default_value = "generate")]
     pub endpoint: String,
-    /// The grpc.health.v1 service watched for liveness (default: the engine's,
-    /// "liveness" for TensorRT-LLM).
+    /// The grpc.health.v1 service followed for liveness (default: the kind's:
+    /// "liveness" for TensorRT-LLM, the engine's service name for vLLM and SGLang).
     #[arg(long, env = "SIDECAR_LIVENESS_SERVICE")]
     pub liveness_service: Option<String>,
     /// Bound on one connect attempt, one start-up call, one discovery write, and
@@ -81,9 +76,14 @@ pub struct RunArgs {
     /// the engine) counts as dead.
     #[arg(long, env = "SIDECAR_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub keepalive_timeout: Duration,
-    /// How often the stale-load probe (HealthCheck) and the identity re-read run.
+    /// How often the stale-load probe (the kind's load RPC: HealthCheck, GetLoad,
+    /// GetLoads) and the identity re-read run.
     #[arg(long, env = "SIDECAR_PROBE_INTERVAL", default_value = "5s", value_parser = duration)]
     pub probe_interval: Duration,
+    /// How often liveness is polled (Check) for kinds whose Watch ends after one
+    /// message (vLLM, SGLang): a NOT_SERVING is noticed within this.
+    #[arg(long, env = "SIDECAR_HEALTH_POLL_INTERVAL", default_value = "100ms", value_parser = duration)]
+    pub health_poll_interval: Duration,
     /// No fresh probe answer for this long means the engine is lost (wedged).
     #[arg(long, env = "SIDECAR_STALE_AFTER", default_value = "30s", value_parser = duration)]
     pub stale_after: Duration,
@@ -156,9 +156,7 @@ pub struct RunArgs {
 impl RunArgs {
     /// Checks every flag and builds the settings, or says what is wrong.
     pub fn into_config(self) -> Result<RunConfig, ConfigError> {
-        let engine = EngineProfile::of(match self.engine_kind {
-            EngineKindArg::Trtllm => EngineKind::Trtllm,
-        });
+        let engine = self.engine_kind.choice();
         let timings = Timings {
             connect_attempt_timeout: self.connect_attempt_timeout,
             retry_interval: self.retry_interval,
@@ -166,6 +164,7 @@ impl RunArgs {
             keepalive_interval: self.keepalive_interval,
             keepalive_timeout: self.keepalive_timeout,
             probe_interval: self.probe_interval,
+            health_poll_interval: self.health_poll_interval,
             stale_after: self.stale_after,
             router_grace: self.router_grace,
             drain_timeout: self.drain_timeout,
@@ -189,9 +188,7 @@ impl RunArgs {
         limits.check()?;
         let discovery = DiscoveryUri::parse(&self.discovery)?;
         discovery.check_local()?;
-        let liveness_service = self
-            .liveness_service
-            .unwrap_or_else(|| engine.default_liveness_service().to_string());
+        let liveness_service = self.liveness_service;
         Ok(RunConfig {
             engine_endpoint: parse_host_port("--engine-endpoint", &self.engine_endpoint)?,
             engine,

@@ -75,6 +75,7 @@ impl Shared {
             | Event::Liveness(_)
             | Event::ProbeFailed { .. }
             | Event::IdentityObserved { .. }
+            | Event::EngineConnectionLost { .. }
             | Event::ShutdownSignal
             | Event::InFlightChanged { .. } => {}
         }

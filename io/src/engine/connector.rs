@@ -3,6 +3,12 @@
 //! streams one connection may carry (SETTINGS_MAX_CONCURRENT_STREAMS). The
 //! request plane opens another engine connection when every open one is at
 //! that limit, and keeps each caller below it.
+//!
+//! A connection can also be watched: the first time it ends (the engine
+//! closed it, it failed, or it was dropped after a keepalive timeout) the
+//! [`ConnectionWatch`] says so. For engines whose API carries no identity of
+//! their own, that is how a restart or a death is noticed at once, between
+//! two health polls.
 
 use std::future::Future;
 use std::io;
@@ -44,16 +50,59 @@ impl StreamLimit {
     }
 }
 
+/// Says once how a watched connection ended.
+#[derive(Debug, Clone)]
+pub struct ConnectionWatch(Arc<tokio::sync::watch::Sender<Option<String>>>);
+
+impl Default for ConnectionWatch {
+    fn default() -> Self {
+        ConnectionWatch(Arc::new(tokio::sync::watch::channel(None).0))
+    }
+}
+
+impl ConnectionWatch {
+    fn ended(&self, how: impl FnOnce() -> String) {
+        self.0.send_if_modified(|seen| {
+            if seen.is_some() {
+                return false;
+            }
+            *seen = Some(how());
+            true
+        });
+    }
+
+    /// Waits until a watched connection ended; how it ended.
+    pub async fn wait(&self) -> String {
+        let mut ended = self.0.subscribe();
+        let how = match ended.wait_for(Option::is_some).await {
+            Ok(how) => how.clone(),
+            // The sender lives in `self`: it cannot be gone while we wait.
+            Err(_) => None,
+        };
+        match how {
+            Some(how) => how,
+            None => std::future::pending().await,
+        }
+    }
+}
+
 /// A tonic connector for the engine's address; every connection it makes
-/// reports the engine's stream limit to `limit`.
+/// reports the engine's stream limit to `limit` and, when watched, its end.
 #[derive(Debug, Clone)]
 pub struct EngineConnector {
     limit: StreamLimit,
+    watch: Option<ConnectionWatch>,
 }
 
 impl EngineConnector {
     pub fn new(limit: StreamLimit) -> Self {
-        EngineConnector { limit }
+        EngineConnector { limit, watch: None }
+    }
+
+    /// The connections it makes report their end to `watch`.
+    pub fn watched(mut self, watch: ConnectionWatch) -> Self {
+        self.watch = Some(watch);
+        self
     }
 }
 
@@ -67,7 +116,7 @@ impl Service<Uri> for EngineConnector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let limit = self.limit.clone();
+        let (limit, watch) = (self.limit.clone(), self.watch.clone());
         Box::pin(async move {
             let address = uri
                 .authority()
@@ -75,7 +124,9 @@ impl Service<Uri> for EngineConnector {
                 .ok_or_else(|| io::Error::other(format!("no host:port in {uri}")))?;
             let stream = TcpStream::connect(address).await?;
             stream.set_nodelay(true)?;
-            Ok(TokioIo::new(SettingsSpy::new(stream, limit)))
+            let mut spy = SettingsSpy::new(stream, limit);
+            spy.watch = watch;
+            Ok(TokioIo::new(spy))
         })
     }
 }
@@ -88,6 +139,8 @@ pub struct SettingsSpy<S> {
     /// payload so far, and its bytes still to come once the frame started.
     reading: Option<(FrameReader, SettingsPayload, Option<u32>)>,
     limit: StreamLimit,
+    /// Told once how the connection ended, if it is watched.
+    watch: Option<ConnectionWatch>,
 }
 
 impl<S> SettingsSpy<S> {
@@ -96,6 +149,7 @@ impl<S> SettingsSpy<S> {
             inner,
             reading: Some((FrameReader::server_side(), SettingsPayload::default(), None)),
             limit,
+            watch: None,
         }
     }
 
@@ -139,11 +193,31 @@ impl<S: AsyncRead + Unpin> AsyncRead for SettingsSpy<S> {
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         let before = buf.filled().len();
-        ready!(Pin::new(&mut this.inner).poll_read(cx, buf))?;
+        let read = ready!(Pin::new(&mut this.inner).poll_read(cx, buf));
+        if let Some(watch) = &this.watch {
+            match &read {
+                Err(e) => watch.ended(|| format!("connection error: {e}")),
+                Ok(()) if buf.filled().len() == before && buf.remaining() > 0 => {
+                    watch.ended(|| "the engine closed the connection".to_string());
+                }
+                Ok(()) => {}
+            }
+        }
+        read?;
         if this.reading.is_some() {
             this.saw(&buf.filled()[before..]);
         }
         Poll::Ready(Ok(()))
+    }
+}
+
+impl<S> Drop for SettingsSpy<S> {
+    fn drop(&mut self) {
+        if let Some(watch) = &self.watch {
+            // Dropped without an end from the engine: the HTTP/2 layer gave up
+            // on it (a keepalive ping went unanswered: a frozen engine).
+            watch.ended(|| "the connection was dropped (keepalive timeout)".to_string());
+        }
     }
 }
 

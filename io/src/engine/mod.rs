@@ -1,88 +1,196 @@
 //! The engine: which kind it is, how to reach it, what it says about itself.
 //!
-//! An [`EngineProfile`] names everything engine-specific: the display name in
-//! log lines, the liveness service, the probe and the identity. Adding an engine
-//! means a profile and its calls here; the core is untouched.
+//! An [`EngineProfile`] holds everything kind-specific as data: the names,
+//! the API's service and health RPC, how liveness is followed (a Watch that
+//! streams, or a Check polled because the kind's Watch ends after one message),
+//! whether start-up waits out a NOT_SERVING warm-up, and whether the engine's
+//! connection is its identity. The calls of each kind live in their own file
+//! (`trtllm.rs`, `openengine.rs`, `vllm.rs`, `sglang.rs`); detection tries
+//! them all (`detect.rs`). Adding an engine means a profile and its calls
+//! here; the core is untouched.
 
 mod connector;
+pub(crate) mod detect;
 pub(crate) mod monitors;
+mod openengine;
+mod sglang;
 pub(crate) mod startup;
 mod trtllm;
+mod vllm;
 
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
-pub use connector::{EngineConnector, StreamLimit};
+pub use connector::{ConnectionWatch, EngineConnector, StreamLimit};
 
 use crate::discovery::ModelRecord;
 use crate::report::error_chain;
 
-/// The engines llm-sidecar knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The engine APIs llm-sidecar follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum EngineKind {
-    /// NVIDIA TensorRT-LLM (`trtllm.TrtllmService`).
+    /// TensorRT-LLM's `trtllm.TrtllmService`, the API the SMG gateway speaks.
     Trtllm,
+    /// TensorRT-LLM's OpenEngine server (`openengine.v1.Inference`/`Control`).
+    OpenEngine,
+    /// vLLM's `vllm.grpc.engine.VllmEngine`.
+    Vllm,
+    /// SGLang's `sglang.grpc.scheduler.SglangScheduler`.
+    Sglang,
 }
 
-/// Everything engine-specific the sidecar needs.
+/// Which kind to follow: given, or found at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineChoice {
+    /// Find out which API the engine serves (`--engine-kind auto`).
+    Auto,
+    /// This kind, whatever else the engine serves.
+    Kind(EngineKind),
+}
+
+/// How the liveness service is followed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Following {
+    /// `grpc.health.v1.Health/Watch`, held open: the engine streams every change.
+    Watch,
+    /// `grpc.health.v1.Health/Check` every `--health-poll-interval`: the
+    /// engine's Watch sends one message and ends, which is not a loss there.
+    Poll,
+}
+
+/// Everything kind-specific the sidecar needs, as data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineProfile {
-    /// Which engine.
+    /// Which kind.
     pub kind: EngineKind,
-}
-
-impl EngineProfile {
-    /// The profile of an engine kind.
-    pub const fn of(kind: EngineKind) -> Self {
-        EngineProfile { kind }
-    }
-
-    /// How log lines name the engine.
-    pub const fn display_name(&self) -> &'static str {
-        match self.kind {
-            EngineKind::Trtllm => "TensorRT-LLM",
-        }
-    }
-
     /// The short name in flags and records.
-    pub const fn kind_name(&self) -> &'static str {
-        match self.kind {
-            EngineKind::Trtllm => "trtllm",
-        }
+    pub name: &'static str,
+    /// How log lines name the engine when its API does not say.
+    pub display_name: &'static str,
+    /// The API's main gRPC service: the sidecar's own health answers for it too.
+    pub service: &'static str,
+    /// The API's own health RPC, which gateways call to judge a worker; the
+    /// sidecar answers it "draining" itself whenever it is not Serving.
+    pub health_rpc: &'static str,
+    /// The grpc.health.v1 service followed for liveness.
+    pub liveness_service: &'static str,
+    /// How it is followed.
+    pub following: Following,
+    /// NOT_SERVING before the first SERVING is a warm-up: start-up waits for SERVING.
+    pub warms_up: bool,
+    /// The API carries no per-process identity, so the connection the
+    /// monitors use stands for it: that connection closing is a loss.
+    pub connection_is_identity: bool,
+}
+
+/// Every profile, in the order auto-detection prefers them.
+pub const PROFILES: [EngineProfile; 4] = [
+    EngineProfile {
+        kind: EngineKind::OpenEngine,
+        name: "openengine",
+        display_name: "TensorRT-LLM",
+        service: "openengine.v1.Control",
+        health_rpc: "/openengine.v1.Control/Health",
+        liveness_service: "liveness",
+        following: Following::Watch,
+        warms_up: false,
+        connection_is_identity: false,
+    },
+    EngineProfile {
+        kind: EngineKind::Trtllm,
+        name: "trtllm",
+        display_name: "TensorRT-LLM",
+        service: "trtllm.TrtllmService",
+        health_rpc: "/trtllm.TrtllmService/HealthCheck",
+        liveness_service: "liveness",
+        following: Following::Watch,
+        warms_up: false,
+        connection_is_identity: false,
+    },
+    EngineProfile {
+        kind: EngineKind::Vllm,
+        name: "vllm",
+        display_name: "vLLM",
+        service: "vllm.grpc.engine.VllmEngine",
+        health_rpc: "/vllm.grpc.engine.VllmEngine/HealthCheck",
+        liveness_service: "vllm.grpc.engine.VllmEngine",
+        following: Following::Poll,
+        warms_up: true,
+        connection_is_identity: true,
+    },
+    EngineProfile {
+        kind: EngineKind::Sglang,
+        name: "sglang",
+        display_name: "SGLang",
+        service: "sglang.grpc.scheduler.SglangScheduler",
+        health_rpc: "/sglang.grpc.scheduler.SglangScheduler/HealthCheck",
+        liveness_service: "sglang.grpc.scheduler.SglangScheduler",
+        following: Following::Poll,
+        warms_up: true,
+        connection_is_identity: true,
+    },
+];
+
+impl EngineKind {
+    /// This kind's profile.
+    pub fn profile(self) -> &'static EngineProfile {
+        // Every kind has exactly one profile in PROFILES.
+        PROFILES
+            .iter()
+            .find(|p| p.kind == self)
+            .unwrap_or(&PROFILES[0])
     }
 
-    /// The grpc.health.v1 service the engine serves for liveness.
-    pub const fn default_liveness_service(&self) -> &'static str {
-        match self.kind {
-            EngineKind::Trtllm => "liveness",
-        }
+    /// The kind a flag or record names (`trtllm`, `openengine`, `vllm`, `sglang`).
+    pub fn from_name(name: &str) -> Option<EngineKind> {
+        PROFILES.iter().find(|p| p.name == name).map(|p| p.kind)
     }
+}
 
-    /// The engine API's own health RPC, which gateways call to judge a worker.
-    pub const fn health_rpc_path(&self) -> &'static str {
-        match self.kind {
-            EngineKind::Trtllm => "/trtllm.TrtllmService/HealthCheck",
-        }
-    }
-
-    /// The engine API's gRPC service name.
-    pub const fn service_name(&self) -> &'static str {
-        match self.kind {
-            EngineKind::Trtllm => "trtllm.TrtllmService",
+impl EngineChoice {
+    /// How lines name the engine before it answered: the kind's name, or
+    /// nothing while the kind is still to be found.
+    pub fn display_name(self) -> &'static str {
+        match self {
+            EngineChoice::Auto => "",
+            EngineChoice::Kind(kind) => kind.profile().display_name,
         }
     }
 }
 
-/// What the engine said about itself at start-up (and in each probe).
+/// What the engine said about itself at start-up.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineInfo {
+    /// The kind it turned out to be.
+    pub kind: EngineKind,
+    /// How lines name it (OpenEngine: from its `engine_name`).
+    pub display_name: String,
     /// The engine's version string.
     pub version: String,
-    /// Self-description; a different value means another engine answers.
+    /// What the identity monitor compares: the instance id where the API has
+    /// one, else a self-description.
     pub identity: String,
+    /// The engine's own instance id, where its API has one.
+    pub instance_id: Option<String>,
     /// The served model.
     pub model: ModelRecord,
+}
+
+impl EngineInfo {
+    /// This engine's profile.
+    pub fn profile(&self) -> &'static EngineProfile {
+        self.kind.profile()
+    }
+}
+
+/// What one stale-load probe learned.
+#[derive(Debug)]
+pub struct Probed {
+    /// `Ok`: the engine's load is fresh.
+    pub fresh: Result<(), EngineError>,
+    /// The identity now answering, for kinds that have one.
+    pub identity: Option<String>,
 }
 
 /// Why talking to the engine failed.
@@ -170,13 +278,14 @@ pub const ENGINE_STREAM_WINDOW: u32 = 64 << 10;
 pub const ENGINE_MAX_HEADER_LIST_BYTES: u32 = 4 << 20;
 
 /// Connects once, bounded by the connect timeout; the engine's stream limit
-/// goes to `limit`.
+/// goes to `limit`, and the connection's end to `watch`.
 pub async fn connect(
     endpoint: &Endpoint,
     limit: &StreamLimit,
+    watch: &ConnectionWatch,
     bound: Duration,
 ) -> Result<Channel, EngineError> {
-    let connector = EngineConnector::new(limit.clone());
+    let connector = EngineConnector::new(limit.clone()).watched(watch.clone());
     match tokio::time::timeout(bound, endpoint.connect_with_connector(connector)).await {
         Ok(Ok(channel)) => Ok(channel),
         Ok(Err(e)) => Err(EngineError::Connect(error_chain(&e))),
@@ -189,23 +298,25 @@ pub async fn connect(
 
 /// Reads the engine's version, identity and model, each call bounded by `bound`.
 pub async fn read_info(
-    profile: &EngineProfile,
+    kind: EngineKind,
     channel: &Channel,
     bound: Duration,
 ) -> Result<EngineInfo, EngineError> {
-    match profile.kind {
+    match kind {
         EngineKind::Trtllm => trtllm::read_info(channel, bound).await,
+        EngineKind::OpenEngine => openengine::read_info(channel, bound).await,
+        EngineKind::Vllm => vllm::read_info(channel, bound).await,
+        EngineKind::Sglang => sglang::read_info(channel, bound).await,
     }
 }
 
-/// Asks the engine whether its routing load is fresh; `Ok` means fresh.
-pub async fn probe(
-    profile: &EngineProfile,
-    channel: &Channel,
-    bound: Duration,
-) -> Result<(), EngineError> {
-    match profile.kind {
+/// Asks the engine whether its routing load is fresh, and who answers.
+pub async fn probe(kind: EngineKind, channel: &Channel, bound: Duration) -> Probed {
+    match kind {
         EngineKind::Trtllm => trtllm::probe(channel, bound).await,
+        EngineKind::OpenEngine => openengine::probe(channel, bound).await,
+        EngineKind::Vllm => vllm::probe(channel, bound).await,
+        EngineKind::Sglang => sglang::probe(channel, bound).await,
     }
 }
 

@@ -1,6 +1,8 @@
-//! The engine monitors started in Serving: the liveness Watch, and the probe
-//! that checks load freshness and re-reads the identity. Each reports raw
-//! observations; the core decides what they mean.
+//! The engine monitors started in Serving: the liveness Watch (or, for kinds
+//! whose Watch ends after one message, a polled Check), the probe that checks
+//! load freshness and re-reads the identity, and for kinds without an identity
+//! the watch on their connection. Each reports raw observations; the core
+//! decides what they mean.
 
 use std::time::Duration;
 
@@ -11,7 +13,9 @@ use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
-use super::{EngineProfile, probe as probe_once, read_info};
+use tonic_health::pb::health_check_response::ServingStatus;
+
+use super::{ConnectionWatch, EngineKind, probe as probe_once};
 
 /// A stream that ended without trailers surfaces in tonic ≥ 0.14.6 as Unknown
 /// "missing grpc-status trailer": that is a stream end, not a failure.
@@ -83,9 +87,84 @@ pub(crate) async fn watch_liveness(
     }
 }
 
+/// Polls `Check` on `service` every `every` until it fails or `cancel` fires:
+/// the first answer and every change are reported; a failure (or no answer
+/// within `bound`) is reported once and ends the poll.
+pub(crate) async fn poll_health(
+    channel: Channel,
+    service: String,
+    every: Duration,
+    bound: Duration,
+    events: mpsc::Sender<Event>,
+    cancel: CancellationToken,
+) {
+    let mut client = HealthClient::new(channel);
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last: Option<i32> = None;
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let check = client.check(HealthCheckRequest {
+            service: service.clone(),
+        });
+        let answer = tokio::select! {
+            () = cancel.cancelled() => return,
+            answer = tokio::time::timeout(bound, check) => answer,
+        };
+        let observation = match answer {
+            Ok(Ok(response)) => {
+                let status = response.into_inner().status;
+                if last == Some(status) {
+                    continue;
+                }
+                last = Some(status);
+                LivenessObservation::Status(status)
+            }
+            Ok(Err(status)) => LivenessObservation::CheckFailed {
+                code: status.code() as i32,
+                message: status.message().to_string(),
+            },
+            Err(_) => LivenessObservation::CheckFailed {
+                code: tonic::Code::DeadlineExceeded as i32,
+                message: format!(
+                    "no answer within {}",
+                    llm_sidecar_core::HumanDuration(bound)
+                ),
+            },
+        };
+        let keeps_going = matches!(
+            observation,
+            LivenessObservation::Status(s)
+                if s == ServingStatus::Serving as i32 || s == ServingStatus::ServiceUnknown as i32
+        );
+        let ended = !keeps_going;
+        if events.send(Event::Liveness(observation)).await.is_err() || ended {
+            // After a failure or a departure from SERVING the core has its
+            // answer; polling on would only repeat it.
+            return;
+        }
+    }
+}
+
+/// Reports the monitors' connection ending, once.
+pub(crate) async fn watch_connection(
+    connection: ConnectionWatch,
+    events: mpsc::Sender<Event>,
+    cancel: CancellationToken,
+) {
+    let error = tokio::select! {
+        () = cancel.cancelled() => return,
+        error = connection.wait() => error,
+    };
+    let _ = events.send(Event::EngineConnectionLost { error }).await;
+}
+
 /// Probes load freshness every `interval` and re-reads the identity.
 pub(crate) async fn probe(
-    profile: EngineProfile,
+    kind: EngineKind,
     channel: Channel,
     interval: Duration,
     events: mpsc::Sender<Event>,
@@ -101,20 +180,16 @@ pub(crate) async fn probe(
             _ = ticker.tick() => {}
         }
         let round = async {
-            let fresh = probe_once(&profile, &channel, interval).await;
-            let event = match fresh {
+            let probed = probe_once(kind, &channel, interval).await;
+            let event = match probed.fresh {
                 Ok(()) => Event::ProbeSucceeded,
                 Err(e) => Event::ProbeFailed {
                     error: e.to_string(),
                 },
             };
             let _ = events.send(event).await;
-            if let Ok(info) = read_info(&profile, &channel, interval).await {
-                let _ = events
-                    .send(Event::IdentityObserved {
-                        identity: info.identity,
-                    })
-                    .await;
+            if let Some(identity) = probed.identity {
+                let _ = events.send(Event::IdentityObserved { identity }).await;
             }
         };
         tokio::select! {

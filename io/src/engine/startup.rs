@@ -3,7 +3,10 @@
 //! A refused connection means the engine is still loading its model (engines
 //! bind their port only once it is loaded), so this keeps trying every retry
 //! interval, each attempt bounded, and logs a change of reason once rather than
-//! every attempt. It decides nothing: the core's startup deadline ends it.
+//! every attempt. An attempt: connect; find the kind (`--engine-kind auto`);
+//! read the engine's server and model info; and for kinds that warm up with
+//! their port open (SGLang, vLLM), wait for their health to say SERVING. It
+//! decides nothing: the core's startup deadline ends it.
 
 use std::time::Duration;
 
@@ -11,23 +14,98 @@ use llm_sidecar_core::HumanDuration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
-use super::{EngineError, EngineInfo, EngineProfile, StreamLimit, connect, read_info};
+use super::detect::{Detected, detect, none_served_message};
+use super::{
+    ConnectionWatch, EngineChoice, EngineError, EngineInfo, StreamLimit, bounded, connect,
+    read_info,
+};
 
-/// The engine answered its start-up calls; its connection is handed over.
-pub(crate) type EngineReady = (EngineInfo, Channel);
+/// The engine answered its start-up calls: what it said, the connection the
+/// monitors use, and the watch on that connection.
+pub(crate) struct EngineReady {
+    pub(crate) info: EngineInfo,
+    pub(crate) channel: Channel,
+    pub(crate) connection: ConnectionWatch,
+}
 
 /// What the start-up wait needs to know.
 pub(crate) struct StartupWait {
-    pub(crate) profile: EngineProfile,
+    pub(crate) choice: EngineChoice,
+    /// The grpc.health.v1 service to wait on for kinds that warm up (the
+    /// kind's own unless `--liveness-service` says otherwise).
+    pub(crate) liveness_service: Option<String>,
     /// The engine's address as the operator wrote it, for log lines.
     pub(crate) address: String,
     pub(crate) endpoint: Endpoint,
     /// Where the engine's stream limit goes once its SETTINGS arrive.
     pub(crate) limit: StreamLimit,
-    /// Bound on one attempt (connect plus the start-up calls).
+    /// Bound on one attempt's each step (connect, every start-up call).
     pub(crate) attempt_bound: Duration,
     pub(crate) retry_interval: Duration,
+}
+
+/// Why one attempt did not get the engine ready.
+#[derive(Debug, thiserror::Error)]
+enum NotReady {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("{}", none_served_message())]
+    NoKnownApi,
+    #[error("warming up: its health service {service:?} reports {status}")]
+    WarmingUp { service: String, status: String },
+}
+
+/// One attempt: connected, kind found, info read, warm-up over.
+async fn attempt(wait: &StartupWait) -> Result<EngineReady, NotReady> {
+    let connection = ConnectionWatch::default();
+    let channel = connect(&wait.endpoint, &wait.limit, &connection, wait.attempt_bound).await?;
+    let kind = match wait.choice {
+        EngineChoice::Kind(kind) => kind,
+        EngineChoice::Auto => match detect(&channel, wait.attempt_bound).await? {
+            Detected::Kind(kind) => kind,
+            Detected::NoneServed => return Err(NotReady::NoKnownApi),
+        },
+    };
+    let info = read_info(kind, &channel, wait.attempt_bound).await?;
+    let profile = kind.profile();
+    if profile.warms_up {
+        let service = wait
+            .liveness_service
+            .clone()
+            .unwrap_or_else(|| profile.liveness_service.to_string());
+        let answer = bounded(
+            "grpc.health.v1.Health/Check",
+            wait.attempt_bound,
+            HealthClient::new(channel.clone()).check(HealthCheckRequest {
+                service: service.clone(),
+            }),
+        )
+        .await;
+        match answer {
+            Ok(r) if r.status == ServingStatus::Serving as i32 => {}
+            Ok(r) => {
+                let status = ServingStatus::try_from(r.status)
+                    .map_or_else(|_| r.status.to_string(), |s| s.as_str_name().to_string());
+                return Err(NotReady::WarmingUp { service, status });
+            }
+            // No health service at all: nothing to wait for; the monitors
+            // say so once.
+            Err(EngineError::Call {
+                code: tonic::Code::Unimplemented | tonic::Code::NotFound,
+                ..
+            }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(EngineReady {
+        info,
+        channel,
+        connection,
+    })
 }
 
 /// Tries until the engine answers (then sends it on `ready`) or `cancel` fires.
@@ -36,45 +114,48 @@ pub(crate) async fn wait_for_engine(
     ready: mpsc::Sender<EngineReady>,
     cancel: CancellationToken,
 ) {
-    let StartupWait {
-        profile,
-        address,
-        endpoint,
-        limit,
-        attempt_bound,
-        retry_interval,
-    } = wait;
     let mut last_error = String::new();
     let mut attempts: u64 = 0;
     loop {
         attempts += 1;
-        let attempt = async {
-            let channel = connect(&endpoint, &limit, attempt_bound).await?;
-            let info = read_info(&profile, &channel, attempt_bound).await?;
-            Ok::<_, EngineError>((info, channel))
-        };
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            outcome = attempt => outcome,
+            outcome = attempt(&wait) => outcome,
         };
         match outcome {
-            Ok((info, channel)) => {
+            Ok(engine) => {
+                let info = &engine.info;
+                let profile = info.profile();
+                if wait.choice == EngineChoice::Auto {
+                    tracing::info!(
+                        "the engine at {} serves {}: following it as --engine-kind {}",
+                        wait.address,
+                        profile.service,
+                        profile.name
+                    );
+                }
                 tracing::info!(
                     model = %info.model.name,
                     version = %info.version,
-                    "{} engine at {address} answered (start-up attempt {attempts})",
-                    profile.display_name(),
+                    kind = profile.name,
+                    "{} engine at {} answered (start-up attempt {attempts})",
+                    info.display_name,
+                    wait.address,
                 );
-                let _ = ready.send((info, channel)).await;
+                let _ = ready.send(engine).await;
                 return;
             }
             Err(e) => {
                 let text = e.to_string();
                 if text != last_error {
+                    let engine = match wait.choice.display_name() {
+                        "" => "The".to_string(),
+                        name => name.to_string(),
+                    };
                     tracing::info!(
-                        "{} engine at {address} not ready yet ({text}); retrying every {}",
-                        profile.display_name(),
-                        HumanDuration(retry_interval)
+                        "{engine} engine at {} not ready yet ({text}); retrying every {}",
+                        wait.address,
+                        HumanDuration(wait.retry_interval)
                     );
                     last_error = text;
                 }
@@ -82,7 +163,7 @@ pub(crate) async fn wait_for_engine(
         }
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(retry_interval) => {}
+            () = tokio::time::sleep(wait.retry_interval) => {}
         }
     }
 }

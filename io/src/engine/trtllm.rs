@@ -1,6 +1,7 @@
-//! TensorRT-LLM: `GetServerInfo` + `GetModelInfo` describe the engine (the API
-//! carries no instance id, so that description is its identity), and
-//! `HealthCheck` answering exactly "OK" is the fresh-load signal.
+//! TensorRT-LLM through `trtllm.TrtllmService`: `GetServerInfo` +
+//! `GetModelInfo` describe the engine (the API carries no instance id, so that
+//! description is its identity), and `HealthCheck` answering exactly "OK" is
+//! the fresh-load signal.
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use llm_sidecar_engine_api::trtllm::{
 };
 use tonic::transport::Channel;
 
-use super::{EngineError, EngineInfo, bounded};
+use super::{EngineError, EngineInfo, EngineKind, Probed, bounded};
 use crate::discovery::ModelRecord;
 
 pub(super) async fn read_info(
@@ -43,8 +44,11 @@ pub(super) async fn read_info(
         model.max_seq_len,
     );
     Ok(EngineInfo {
+        kind: EngineKind::Trtllm,
+        display_name: EngineKind::Trtllm.profile().display_name.to_string(),
         version: server.version,
         identity,
+        instance_id: None,
         model: ModelRecord {
             name: model.model_id,
             max_input_len: i64::from(model.max_input_len),
@@ -53,20 +57,23 @@ pub(super) async fn read_info(
     })
 }
 
-pub(super) async fn probe(channel: &Channel, bound: Duration) -> Result<(), EngineError> {
+/// `HealthCheck` == "OK" is fresh; the identity is the description again.
+pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
     let mut client = TrtllmServiceClient::new(channel.clone());
-    let answer = bounded(
+    let fresh = match bounded(
         "HealthCheck",
         bound,
         client.health_check(HealthCheckRequest {}),
     )
-    .await?;
-    if answer.status == "OK" {
-        Ok(())
-    } else {
-        Err(EngineError::NotFresh {
+    .await
+    {
+        Ok(answer) if answer.status == "OK" => Ok(()),
+        Ok(answer) => Err(EngineError::NotFresh {
             call: "HealthCheck",
             answer: answer.status,
-        })
-    }
+        }),
+        Err(e) => Err(e),
+    };
+    let identity = read_info(channel, bound).await.ok().map(|i| i.identity);
+    Probed { fresh, identity }
 }

@@ -54,7 +54,7 @@ pub(crate) async fn handle(
             Err(never) => match never {},
         });
     }
-    if (path == plane.health_rpc_path && !plane.serving.load(Ordering::Acquire))
+    if (plane.health_rpc_path.get() == Some(&path) && !plane.serving.load(Ordering::Acquire))
         || !plane.gate.try_enter()
     {
         return Ok(refuse(&plane, req.into_body()).await);

@@ -133,7 +133,8 @@ pub(crate) struct Plane {
     pub(crate) counters: CallCounters,
     pub(crate) engine: EnginePool,
     pub(crate) health: HealthServer<OwnHealth>,
-    pub(crate) health_rpc_path: &'static str,
+    /// The engine API's own health RPC, once the engine's kind is known.
+    pub(crate) health_rpc_path: std::sync::OnceLock<&'static str>,
     pub(crate) limits: Limits,
     /// Caller connections open now.
     pub(crate) connections_open: AtomicUsize,
@@ -143,12 +144,7 @@ pub(crate) struct Plane {
 
 impl Plane {
     /// A closed request plane in front of `engine` (the core opens it).
-    pub(crate) fn new(
-        engine: EnginePool,
-        health: &OwnHealth,
-        health_rpc_path: &'static str,
-        limits: Limits,
-    ) -> Self {
+    pub(crate) fn new(engine: EnginePool, health: &OwnHealth, limits: Limits) -> Self {
         Plane {
             gate: Gate::new(),
             serving: AtomicBool::new(false),
@@ -157,7 +153,7 @@ impl Plane {
             counters: CallCounters::default(),
             engine,
             health: health.server(),
-            health_rpc_path,
+            health_rpc_path: std::sync::OnceLock::new(),
             limits,
             connections_open: AtomicUsize::new(0),
             connections_refused: AtomicU64::new(0),

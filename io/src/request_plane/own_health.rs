@@ -3,6 +3,7 @@
 //! name, so health-checking routers see the worker leave before calls fail.
 
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -15,15 +16,21 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 #[derive(Clone)]
 pub(crate) struct OwnHealth {
     status: watch::Sender<i32>,
-    engine_service: &'static str,
+    /// The engine API's service name, once the engine's kind is known.
+    engine_service: Arc<OnceLock<&'static str>>,
 }
 
 impl OwnHealth {
-    pub(crate) fn new(engine_service: &'static str) -> Self {
+    pub(crate) fn new() -> Self {
         OwnHealth {
             status: watch::channel(ServingStatus::NotServing as i32).0,
-            engine_service,
+            engine_service: Arc::default(),
         }
+    }
+
+    /// Answers for the engine API's service name too, from now on.
+    pub(crate) fn name_engine_service(&self, service: &'static str) {
+        let _ = self.engine_service.set(service);
     }
 
     pub(crate) fn set(&self, serving: bool) {
@@ -41,7 +48,7 @@ impl OwnHealth {
     }
 
     fn known(&self, service: &str) -> bool {
-        service.is_empty() || service == self.engine_service
+        service.is_empty() || self.engine_service.get() == Some(&service)
     }
 }
 

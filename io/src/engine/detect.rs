@@ -1,0 +1,128 @@
+//! `--engine-kind auto`: which API does the engine serve? One cheap call per
+//! kind, all at once, on the connection start-up just opened; a kind whose
+//! service the engine does not serve answers UNIMPLEMENTED. Never a guess:
+//! anything else (the engine still starting) means "try again".
+
+use std::time::Duration;
+
+use llm_sidecar_engine_api::openengine::control_client::ControlClient;
+use llm_sidecar_engine_api::sglang::sglang_scheduler_client::SglangSchedulerClient;
+use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+use llm_sidecar_engine_api::{openengine, sglang, trtllm, vllm};
+use tonic::transport::Channel;
+
+use super::{EngineError, EngineKind, PROFILES, bounded};
+
+/// The call that tells each kind apart, as an operator reads it in a log line.
+pub const DETECTION_CALLS: [(EngineKind, &str); 4] = [
+    (
+        EngineKind::OpenEngine,
+        "/openengine.v1.Control/GetServerInfo",
+    ),
+    (EngineKind::Trtllm, "/trtllm.TrtllmService/GetServerInfo"),
+    (
+        EngineKind::Vllm,
+        "/vllm.grpc.engine.VllmEngine/GetModelInfo",
+    ),
+    (
+        EngineKind::Sglang,
+        "/sglang.grpc.scheduler.SglangScheduler/GetServerInfo",
+    ),
+];
+
+/// What detection found.
+#[derive(Debug)]
+pub enum Detected {
+    /// The engine serves this API (the first one in [`PROFILES`] order when it
+    /// serves several).
+    Kind(EngineKind),
+    /// Every call was UNIMPLEMENTED: the engine serves none of the APIs.
+    NoneServed,
+}
+
+fn tried() -> String {
+    DETECTION_CALLS
+        .iter()
+        .map(|(_, call)| *call)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Why detection did not name a kind, as the start-up log says it.
+pub fn none_served_message() -> String {
+    format!(
+        "serves none of the engine APIs llm-sidecar follows (tried {}: every one UNIMPLEMENTED)",
+        tried()
+    )
+}
+
+/// Calls one kind's detection RPC: `Ok(true)` it answered, `Ok(false)`
+/// UNIMPLEMENTED, `Err` anything else.
+async fn answers(
+    kind: EngineKind,
+    channel: &Channel,
+    bound: Duration,
+) -> Result<bool, EngineError> {
+    let result = match kind {
+        EngineKind::OpenEngine => bounded(
+            "GetServerInfo",
+            bound,
+            ControlClient::new(channel.clone())
+                .get_server_info(openengine::GetServerInfoRequest {}),
+        )
+        .await
+        .map(|_| ()),
+        EngineKind::Trtllm => bounded(
+            "GetServerInfo",
+            bound,
+            TrtllmServiceClient::new(channel.clone())
+                .get_server_info(trtllm::GetServerInfoRequest {}),
+        )
+        .await
+        .map(|_| ()),
+        EngineKind::Vllm => bounded(
+            "GetModelInfo",
+            bound,
+            vllm::vllm_engine_client::VllmEngineClient::new(channel.clone())
+                .get_model_info(vllm::GetModelInfoRequest {}),
+        )
+        .await
+        .map(|_| ()),
+        EngineKind::Sglang => bounded(
+            "GetServerInfo",
+            bound,
+            SglangSchedulerClient::new(channel.clone())
+                .get_server_info(sglang::GetServerInfoRequest {}),
+        )
+        .await
+        .map(|_| ()),
+    };
+    match result {
+        Ok(()) => Ok(true),
+        Err(EngineError::Call {
+            code: tonic::Code::Unimplemented,
+            ..
+        }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Finds the kind the engine serves, each call bounded by `bound`.
+pub async fn detect(channel: &Channel, bound: Duration) -> Result<Detected, EngineError> {
+    let calls = PROFILES.map(|p| answers(p.kind, channel, bound));
+    let [a, b, c, d] = calls;
+    let (a, b, c, d) = tokio::join!(a, b, c, d);
+    let mut unknown = None;
+    for (profile, answer) in PROFILES.iter().zip([a, b, c, d]) {
+        match answer {
+            Ok(true) => return Ok(Detected::Kind(profile.kind)),
+            Ok(false) => {}
+            Err(e) => unknown = unknown.or(Some(e)),
+        }
+    }
+    match unknown {
+        // Some call neither answered nor said UNIMPLEMENTED: ask again later.
+        Some(e) => Err(e),
+        None => Ok(Detected::NoneServed),
+    }
+}
