@@ -41,18 +41,19 @@ pub enum Command {
     /// SIGTERM/SIGINT: withdraw, router grace, drain, exit 0. Start-up not done
     /// by --startup-deadline: exit 3. Bad flags: exit 2, nothing contacted.
     Run(Box<RunArgs>),
-    /// Run a CPU-only fake TensorRT-LLM engine (for tests and demos).
+    /// Run a CPU-only fake engine of any kind (for tests and demos).
     MockEngine(MockArgs),
     /// List the workers registered in discovery.
     Instances(InstancesArgs),
     /// Load the request plane: N concurrent Generate streams of M tokens.
     ///
-    /// Works against any TensorRT-LLM-compatible address (the engine, the
-    /// sidecar, another proxy), so runs can be compared side by side.
+    /// Works against any address that speaks the engine kind's API (the
+    /// engine, the sidecar, another proxy), so runs can be compared side by side.
     Bench(BenchArgs),
-    /// Show the whole lifecycle on this machine: a mock engine, the sidecar,
-    /// calls through it, an engine failure, withdrawal, drain and exit 1.
-    Demo,
+    /// Show the whole lifecycle on this machine: a mock engine (of any kind),
+    /// the sidecar finding its kind, calls through it, an engine failure,
+    /// withdrawal, drain and exit 1.
+    Demo(crate::commands::demo::DemoArgs),
 }
 
 impl Cli {
@@ -61,7 +62,7 @@ impl Cli {
         match &self.command {
             Command::Run(a) => a.log_format,
             Command::MockEngine(a) => a.log_format,
-            Command::Instances(_) | Command::Bench(_) | Command::Demo => LogFormat::Text,
+            Command::Instances(_) | Command::Bench(_) | Command::Demo(_) => LogFormat::Text,
         }
     }
 }
@@ -106,6 +107,12 @@ impl EngineKindArg {
             EngineKindArg::Sglang => EngineChoice::Kind(EngineKind::Sglang),
         }
     }
+}
+
+/// A concrete engine kind's name (clap's value parser, for the mock and bench).
+pub fn engine_kind(s: &str) -> Result<llm_sidecar_io::engine::EngineKind, String> {
+    llm_sidecar_io::engine::EngineKind::from_name(s)
+        .ok_or_else(|| format!("{s:?} is not one of trtllm, openengine, vllm, sglang"))
 }
 
 /// Flag values like `300ms`, `5s`, `2m` (clap's value parser).

@@ -35,7 +35,7 @@ fn main() -> ExitCode {
         cli::Command::MockEngine(args) => commands::mock_engine::run(args),
         cli::Command::Instances(args) => commands::instances::run(args),
         cli::Command::Bench(args) => commands::bench::run(args),
-        cli::Command::Demo => commands::demo::run(),
+        cli::Command::Demo(args) => commands::demo::run(args),
     };
     // Every code is one of the documented few; anything else would be a bug,
     // and must never read as 1 ("engine lost").

@@ -522,8 +522,11 @@ fn log_start(config: &RunConfig, instance_hex: &str) {
             Some(t) if t.mutual => "h2 over TLS, client certificates required",
             Some(_) => "h2 over TLS",
         },
-        "llm-sidecar starting: instance {instance_hex}, waiting for the {} engine at {}",
-        config.engine.display_name(),
+        "llm-sidecar starting: instance {instance_hex}, waiting for the {}engine at {}",
+        match config.engine.display_name() {
+            "" => String::new(),
+            name => format!("{name} "),
+        },
         config.engine_endpoint,
     );
 }

@@ -1,17 +1,18 @@
-//! `llm-sidecar bench`: N concurrent Generate streams of M tokens against any
-//! TensorRT-LLM-compatible address (the engine itself, the sidecar, another
-//! proxy), for a duration or a number of calls. Reports calls/s, tokens/s,
-//! time to first token and inter-token latency percentiles, and errors by code.
+//! `llm-sidecar bench`: N concurrent Generate streams of M tokens, in any
+//! engine kind's API, against any address that speaks it (the engine itself,
+//! the sidecar, another proxy), for a duration or a number of calls. Reports
+//! calls/s, tokens/s, time to first token and inter-token latency
+//! percentiles, and errors by code.
 
+pub mod generate;
 pub mod local;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
-use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_engine_api::trtllm::{GenerateRequest, TokenizedInput};
+use llm_sidecar_io::engine::EngineKind;
 use serde::Serialize;
+use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
 /// What to run.
@@ -19,6 +20,8 @@ use tonic::transport::{Channel, Endpoint};
 pub struct BenchConfig {
     /// `host:port` to call.
     pub target: String,
+    /// Which API the target speaks.
+    pub kind: EngineKind,
     /// Concurrent streams.
     pub concurrency: usize,
     /// Tokens per call (`max_tokens`).
@@ -147,19 +150,6 @@ pub async fn connect(target: &str) -> Result<Channel, BenchError> {
         .map_err(|e| BenchError(format!("cannot connect to {target}: {e}")))
 }
 
-/// A Generate request for the benchmark and the demo.
-pub fn request(id: String, prompt_tokens: u32, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id,
-        tokenized: Some(TokenizedInput {
-            original_text: String::new(),
-            input_token_ids: (0..prompt_tokens).map(|i| 100 + i).collect(),
-        }),
-        max_tokens,
-        streaming: true,
-    }
-}
-
 /// Runs the benchmark.
 pub async fn run(config: BenchConfig) -> Result<BenchReport, BenchError> {
     let mut channels = Vec::new();
@@ -171,8 +161,7 @@ pub async fn run(config: BenchConfig) -> Result<BenchReport, BenchError> {
     let stop_at = config.duration.map(|d| start + d);
     let mut workers = Vec::new();
     for w in 0..config.concurrency.max(1) {
-        let mut client = TrtllmServiceClient::new(channels[w % channels.len()].clone())
-            .max_decoding_message_size(64 << 20);
+        let channel = channels[w % channels.len()].clone();
         let config = config.clone();
         let issued = issued.clone();
         workers.push(tokio::spawn(async move {
@@ -187,19 +176,19 @@ pub async fn run(config: BenchConfig) -> Result<BenchReport, BenchError> {
                 }
                 let sent = Instant::now();
                 let outcome = async {
-                    let mut stream = client
-                        .generate(request(
-                            format!("bench-{w}-{n}"),
-                            config.prompt_tokens,
-                            config.tokens,
-                        ))
-                        .await?
-                        .into_inner();
+                    let mut stream = generate::generate(
+                        config.kind,
+                        channel.clone(),
+                        format!("bench-{w}-{n}"),
+                        config.prompt_tokens,
+                        config.tokens,
+                    )
+                    .await?;
                     let mut last = sent;
                     let mut first = true;
                     let mut tokens = 0u64;
-                    while let Some(msg) = stream.message().await? {
-                        if let Some(GenResponse::Chunk(chunk)) = msg.response {
+                    while let Some(piece) = stream.next().await {
+                        if let generate::Piece::Tokens(chunk) = piece? {
                             let now = Instant::now();
                             let gap = now
                                 .duration_since(last)
@@ -213,7 +202,7 @@ pub async fn run(config: BenchConfig) -> Result<BenchReport, BenchError> {
                                 stats.itl.push(gap);
                             }
                             last = now;
-                            tokens += chunk.token_ids.len() as u64;
+                            tokens += chunk.len() as u64;
                         }
                     }
                     Ok::<u64, tonic::Status>(tokens)

@@ -2,8 +2,10 @@
 //!
 //! | path | effect |
 //! |---|---|
-//! | `/liveness?status=N[&service=S]` | set a health service's raw status (registers it) |
+//! | `/liveness?status=N[&service=S]` | set a health service's raw status (registers it); the default service is the kind's liveness one (`liveness`, or the engine's gRPC service for vLLM and SGLang) |
 //! | `/unregister?service=S` | remove a health service (Watch then sees SERVICE_UNKNOWN) |
+//! | `/stall` | SGLang's stall: the scheduler produced nothing with requests pending, so its service turns NOT_SERVING (SGLang after 30 s; the mock at once) |
+//! | `/getload?mode=ok\|stall\|unavailable` | how GetLoad (OpenEngine) and GetLoads (vLLM, SGLang) answer: unavailable is TensorRT-LLM's stale KV snapshot |
 //! | `/watch/end[?trailers=false]` | end every open Watch stream with OK (or with no trailers at all) |
 //! | `/watch/hold?on=true\|false` | hold back (or release) the first message of Watch streams |
 //! | `/watch/fail?code=N&message=M` | fail every open Watch stream with that status |
@@ -18,7 +20,7 @@ use std::time::Duration;
 
 use llm_sidecar_io::admin::http::{Handler, Request, Response};
 
-use crate::{HealthCheckMode, State, WatchControl, lock};
+use crate::{HealthCheckMode, LoadMode, NOT_SERVING, State, WatchControl, liveness_service, lock};
 
 pub(crate) fn handler(state: Arc<State>) -> Handler {
     Arc::new(move |req: &Request| route(&state, req))
@@ -27,7 +29,9 @@ pub(crate) fn handler(state: Arc<State>) -> Handler {
 fn route(state: &State, req: &Request) -> Response {
     match req.path.as_str() {
         "/liveness" => {
-            let service = req.param("service").unwrap_or("liveness");
+            let service = req
+                .param("service")
+                .unwrap_or(liveness_service(state.config.kind));
             match req.param("status").map(str::parse::<i32>) {
                 Some(Ok(status)) => {
                     state.set_status(service, status);
@@ -37,9 +41,26 @@ fn route(state: &State, req: &Request) -> Response {
             }
         }
         "/unregister" => {
-            let service = req.param("service").unwrap_or("liveness");
+            let service = req
+                .param("service")
+                .unwrap_or(liveness_service(state.config.kind));
             state.unregister(service);
             Response::text(200, format!("{service} unregistered\n"))
+        }
+        "/stall" => {
+            let service = liveness_service(state.config.kind);
+            state.set_status(service, NOT_SERVING);
+            Response::text(200, format!("scheduler stalled: {service} NOT_SERVING\n"))
+        }
+        "/getload" => {
+            let mode = match req.param("mode") {
+                Some("ok") | None => LoadMode::Ok,
+                Some("stall") => LoadMode::Stall,
+                Some("unavailable") => LoadMode::Unavailable,
+                Some(other) => return Response::text(400, format!("unknown mode {other:?}\n")),
+            };
+            *lock(&state.load_mode) = mode;
+            Response::text(200, format!("load = {mode:?}\n"))
         }
         "/watch/end" => {
             let without_trailers = req.param("trailers") == Some("false");
@@ -105,9 +126,11 @@ fn route(state: &State, req: &Request) -> Response {
                 "generate_cancelled": c.generate_cancelled.load(Ordering::Relaxed),
                 "aborts": c.aborts.load(Ordering::Relaxed),
                 "health_checks": c.health_checks.load(Ordering::Relaxed),
+                "load_calls": c.load_calls.load(Ordering::Relaxed),
                 "info_calls": c.info_calls.load(Ordering::Relaxed),
                 "watch_streams": c.watch_streams.load(Ordering::Relaxed),
                 "connections": c.connections.load(Ordering::Relaxed),
+                "instance_id": state.instance_id,
                 "seen_ids": *lock(&state.seen_ids),
                 "cancelled_ids": *lock(&state.cancelled_ids),
             });

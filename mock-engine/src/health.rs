@@ -1,5 +1,6 @@
 //! grpc.health.v1 as the spec (and grpcio) has it: Watch on an unknown service
 //! sends SERVICE_UNKNOWN and keeps the stream open; only changes are sent.
+//! For vLLM and SGLang as the smg servicers have it: one message, then the end.
 //! The control endpoint can make Watch hold back its first message, answer an
 //! unknown service with NOT_FOUND (as tonic-health does), end cleanly, fail,
 //! or end without trailers ([`TrailerSwitch`]).
@@ -18,7 +19,7 @@ use tonic::{Request, Response, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
-use crate::{State, WatchControl};
+use crate::{EngineKind, State, WatchControl};
 
 pub(crate) struct Health {
     pub(crate) state: Arc<State>,
@@ -73,6 +74,22 @@ impl tonic_health::pb::health_server::Health for Health {
                 .is_err()
             {
                 return;
+            }
+            // The smg servicers (vLLM, SGLang) answer one message and end the
+            // stream; SGLang fails an unknown service NOT_FOUND after it.
+            match state.config.kind {
+                EngineKind::Trtllm | EngineKind::OpenEngine => {}
+                EngineKind::Vllm => return,
+                EngineKind::Sglang => {
+                    if last == ServingStatus::ServiceUnknown as i32 {
+                        let _ = tx
+                            .send(Err(Status::not_found(format!(
+                                "service {service:?} not registered"
+                            ))))
+                            .await;
+                    }
+                    return;
+                }
             }
             loop {
                 tokio::select! {

@@ -1,15 +1,23 @@
-//! A CPU-only fake TensorRT-LLM engine for tests and demos.
+//! A CPU-only fake engine for tests and demos, of any kind llm-sidecar follows.
 //!
-//! It serves `trtllm.TrtllmService` (Generate streams deterministic token ids;
-//! HealthCheck, GetModelInfo, GetServerInfo, Abort) and `grpc.health.v1` for
-//! `""`, `liveness` and `inference` with a health service of its own (tonic-health
-//! never sends SERVICE_UNKNOWN; this one does, like grpcio). A small HTTP
+//! `--kind trtllm` serves `trtllm.TrtllmService`; `openengine` serves
+//! `openengine.v1.Inference` and `Control` as TensorRT-LLM does; `vllm` and
+//! `sglang` serve their engines' services as the smg servicers do. Every kind
+//! generates deterministic token ids at a set pace and serves `grpc.health.v1`
+//! with a health service of its own, shaped as the kind's real one: streaming
+//! Watch for TensorRT-LLM (`""`, `liveness`, `inference`), one message then
+//! the end for vLLM and SGLang (`""` and the engine's service), warm-up
+//! NOT_SERVING, a port that opens only once "the model loaded". A small HTTP
 //! control endpoint changes its behaviour while it runs; see [`control`].
 
 mod control;
 mod echo;
+mod generate;
 mod health;
+mod kinds;
 mod service;
+
+pub use llm_sidecar_io::engine::EngineKind;
 
 /// The mock's client-streaming Echo service (generated).
 pub mod echo_api {
@@ -23,7 +31,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use llm_sidecar_engine_api::openengine::control_server::ControlServer;
+use llm_sidecar_engine_api::openengine::inference_server::InferenceServer;
+use llm_sidecar_engine_api::sglang::sglang_scheduler_server::SglangSchedulerServer;
 use llm_sidecar_engine_api::trtllm::trtllm_service_server::TrtllmServiceServer;
+use llm_sidecar_engine_api::vllm::vllm_engine_server::VllmEngineServer;
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
@@ -70,6 +82,26 @@ pub struct MockConfig {
     pub watch_unknown_not_found: bool,
     /// SETTINGS_MAX_CONCURRENT_STREAMS of the gRPC server (`None`: unlimited).
     pub max_concurrent_streams: Option<u32>,
+    /// Which engine API it serves.
+    pub kind: EngineKind,
+    /// The OpenEngine `engine_name` (TensorRT-LLM's is `tensorrt_llm`).
+    pub engine_name: String,
+    /// How long health answers NOT_SERVING after the port opened (SGLang's
+    /// and vLLM's warm-up).
+    pub warmup: Duration,
+    /// How long the gRPC port stays closed after start (the model loading).
+    pub load_delay: Duration,
+    /// Serve no engine API at all (only grpc.health.v1 and the Echo service):
+    /// a gRPC server that is none of the engines.
+    pub no_engine_api: bool,
+}
+
+/// How GetLoad / GetLoads answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LoadMode {
+    Ok,
+    Stall,
+    Unavailable,
 }
 
 /// How HealthCheck answers.
@@ -95,6 +127,7 @@ pub(crate) struct Counters {
     pub(crate) generate_cancelled: AtomicU64,
     pub(crate) aborts: AtomicU64,
     pub(crate) health_checks: AtomicU64,
+    pub(crate) load_calls: AtomicU64,
     pub(crate) info_calls: AtomicU64,
     pub(crate) watch_streams: AtomicU64,
     pub(crate) connections: AtomicU64,
@@ -125,6 +158,13 @@ pub(crate) struct State {
     pub(crate) end_without_trailers: AtomicBool,
     /// A graceful stop began: every Watch ends cleanly at its next wake-up.
     pub(crate) stopping: AtomicBool,
+    /// OpenEngine's per-process instance id, `<host>-<pid>-<ms>`.
+    pub(crate) instance_id: String,
+    /// When the mock started (uptime).
+    pub(crate) started: std::time::Instant,
+    /// When the mock started, in whole Unix seconds (SGLang's `start_time`).
+    pub(crate) start_unix_secs: i64,
+    pub(crate) load_mode: Mutex<LoadMode>,
 }
 
 impl State {
@@ -140,6 +180,11 @@ impl State {
 
     pub(crate) fn status_of(&self, service: &str) -> Option<i32> {
         lock(&self.statuses).get(service).copied()
+    }
+
+    /// The kind's own health RPC: healthy while its liveness service serves.
+    pub(crate) fn engine_serving(&self) -> bool {
+        self.status_of(liveness_service(self.config.kind)) == Some(SERVING)
     }
 
     /// Appends `<event> <request id>` to the journal. One `write` per line on an
@@ -178,6 +223,40 @@ pub enum MockError {
 const SERVING: i32 = 1;
 const NOT_SERVING: i32 = 2;
 
+/// The grpc.health.v1 service that says whether the engine lives, per kind.
+pub(crate) fn liveness_service(kind: EngineKind) -> &'static str {
+    kind.profile().liveness_service
+}
+
+/// The services a kind registers in grpc.health.v1, as its real server does.
+fn health_services(config: &MockConfig) -> Vec<&'static str> {
+    match (config.kind, config.health) {
+        (_, HealthMode::Absent) => vec![],
+        (EngineKind::Trtllm | EngineKind::OpenEngine, HealthMode::Full) => {
+            vec!["", "liveness", "inference"]
+        }
+        (EngineKind::Trtllm | EngineKind::OpenEngine, HealthMode::LivenessUnregistered) => {
+            vec!["", "inference"]
+        }
+        (EngineKind::Vllm | EngineKind::Sglang, HealthMode::Full) => {
+            vec!["", liveness_service(config.kind)]
+        }
+        (EngineKind::Vllm | EngineKind::Sglang, HealthMode::LivenessUnregistered) => vec![""],
+    }
+}
+
+/// `<host>-<pid>-<ms>`, as TensorRT-LLM's OpenEngine server names itself.
+fn instance_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into());
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    format!("{host}-{}-{ms}", std::process::id())
+}
+
 /// Runs the mock until a graceful stop (control `/stop` or `shutdown`) completes.
 pub async fn run(
     config: MockConfig,
@@ -196,23 +275,22 @@ pub async fn run(
         ),
         None => None,
     };
-    let listener = llm_sidecar_io::net::bind("gRPC", config.listen).await?;
     let control_listener = llm_sidecar_io::net::bind("control", config.control_listen).await?;
+    let started = std::time::Instant::now();
+    let start_unix_secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs() as i64;
 
-    let mut statuses = BTreeMap::new();
-    match config.health {
-        HealthMode::Full => {
-            for s in ["", "liveness", "inference"] {
-                statuses.insert(s.to_string(), SERVING);
-            }
-        }
-        HealthMode::LivenessUnregistered => {
-            for s in ["", "inference"] {
-                statuses.insert(s.to_string(), SERVING);
-            }
-        }
-        HealthMode::Absent => {}
-    }
+    let first = if config.warmup.is_zero() {
+        SERVING
+    } else {
+        NOT_SERVING
+    };
+    let statuses: BTreeMap<String, i32> = health_services(&config)
+        .into_iter()
+        .map(|s| (s.to_string(), first))
+        .collect();
     let (stop_tx, mut stop_rx) = watch::channel(None);
     let state = Arc::new(State {
         version: Mutex::new(config.version.clone()),
@@ -230,6 +308,10 @@ pub async fn run(
         hold_watch: watch::channel(config.hold_watch).0,
         end_without_trailers: AtomicBool::new(false),
         stopping: AtomicBool::new(false),
+        instance_id: instance_id(),
+        started,
+        start_unix_secs,
+        load_mode: Mutex::new(LoadMode::Ok),
     });
 
     let control_cancel = CancellationToken::new();
@@ -238,6 +320,31 @@ pub async fn run(
         control::handler(state.clone()),
         control_cancel.clone(),
     ));
+    let mut shutdown = std::pin::pin!(shutdown);
+
+    // TensorRT-LLM and vLLM bind only once the model loaded.
+    if !config.load_delay.is_zero() {
+        tracing::info!("mock engine loading its model for {:?}", config.load_delay);
+        tokio::select! {
+            () = tokio::time::sleep(config.load_delay) => {}
+            () = &mut shutdown => { control_cancel.cancel(); return Ok(()); }
+        }
+    }
+    let listener = llm_sidecar_io::net::bind("gRPC", config.listen).await?;
+    if !config.warmup.is_zero() {
+        let state = state.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(state.config.warmup).await;
+            if state.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let services: Vec<String> = lock(&state.statuses).keys().cloned().collect();
+            for service in &services {
+                state.set_status(service, SERVING);
+            }
+            tracing::info!("mock engine warmed up: SERVING");
+        });
+    }
 
     // Stop accepting at once when a stop begins, as grpcio's server.stop() does.
     let accept_stop = CancellationToken::new();
@@ -246,11 +353,36 @@ pub async fn run(
         let accept_stop = accept_stop.clone();
         async_incoming(listener, state, accept_stop)
     };
+    let kind = config.kind;
+    let api = |k: EngineKind| kind == k && !config.no_engine_api;
     let mut router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .max_concurrent_streams(config.max_concurrent_streams)
-        .add_service(TrtllmServiceServer::new(service::Engine {
-            state: state.clone(),
+        .add_service(echo_api::echo_server::EchoServer::new(echo::Echo))
+        .add_optional_service(api(EngineKind::Trtllm).then(|| {
+            TrtllmServiceServer::new(service::Engine {
+                state: state.clone(),
+            })
+        }))
+        .add_optional_service(api(EngineKind::OpenEngine).then(|| {
+            InferenceServer::new(kinds::openengine::OpenEngine {
+                state: state.clone(),
+            })
+        }))
+        .add_optional_service(api(EngineKind::OpenEngine).then(|| {
+            ControlServer::new(kinds::openengine::OpenEngine {
+                state: state.clone(),
+            })
+        }))
+        .add_optional_service(api(EngineKind::Vllm).then(|| {
+            VllmEngineServer::new(kinds::vllm::Vllm {
+                state: state.clone(),
+            })
+        }))
+        .add_optional_service(api(EngineKind::Sglang).then(|| {
+            SglangSchedulerServer::new(kinds::sglang::Sglang {
+                state: state.clone(),
+            })
         }));
     if config.health != HealthMode::Absent {
         router = router.add_service(health::TrailerSwitch::new(
@@ -264,12 +396,14 @@ pub async fn run(
     tracing::info!(
         listen = %config.listen,
         control = %config.control_listen,
-        "mock TensorRT-LLM engine serving model {}",
+        kind = kind.profile().name,
+        "mock {} engine serving model {}",
+        kind.profile().display_name,
         config.model_id
     );
 
     let grace = tokio::select! {
-        () = shutdown => Duration::from_secs(5),
+        () = &mut shutdown => Duration::from_secs(5),
         changed = stop_rx.wait_for(Option::is_some) => match changed {
             Ok(g) => g.unwrap_or_default(),
             Err(_) => Duration::ZERO,

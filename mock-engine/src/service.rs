@@ -11,53 +11,13 @@ use llm_sidecar_engine_api::trtllm::{
     GetServerInfoResponse, HealthCheckRequest, HealthCheckResponse,
 };
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
+use crate::generate::{self, Ask};
 use crate::{HealthCheckMode, State, lock};
 
 pub(crate) struct Engine {
     pub(crate) state: Arc<State>,
-}
-
-/// The `i`-th token of a request: deterministic, so direct and proxied runs compare.
-pub fn token(seed: u64, i: u32) -> u32 {
-    ((seed
-        .wrapping_mul(2_654_435_761)
-        .wrapping_add(u64::from(i) * 7_919))
-        % 32_000) as u32
-}
-
-fn seed_of(request: &GenerateRequest) -> u64 {
-    let mut seed: u64 = 17;
-    for b in request.request_id.bytes() {
-        seed = seed.wrapping_mul(31).wrapping_add(u64::from(b));
-    }
-    if let Some(t) = &request.tokenized {
-        for id in &t.input_token_ids {
-            seed = seed.wrapping_mul(31).wrapping_add(u64::from(*id));
-        }
-    }
-    seed
-}
-
-/// `big-headers:<bytes>` as a request id makes Generate answer with response
-/// headers of about that size (one `x-big` header) before its tokens.
-fn requested_header_bytes(request_id: &str) -> Option<usize> {
-    request_id.strip_prefix("big-headers:")?.parse().ok()
-}
-
-/// `error:<code>:<message>` as a request id makes Generate fail with that status
-/// and an `x-engine-error` trailer, so tests can check that errors pass unchanged.
-fn requested_error(request_id: &str) -> Option<Status> {
-    let rest = request_id.strip_prefix("error:")?;
-    let (code, message) = rest.split_once(':').unwrap_or((rest, ""));
-    let code = tonic::Code::from_i32(code.parse().unwrap_or(13));
-    let mut status = Status::new(code, message.to_string());
-    if let Ok(v) = MetadataValue::try_from(format!("mock-{request_id}")) {
-        status.metadata_mut().insert("x-engine-error", v);
-    }
-    Some(status)
 }
 
 #[tonic::async_trait]
@@ -69,92 +29,43 @@ impl TrtllmService for Engine {
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let request = request.into_inner();
-        let state = self.state.clone();
-        state
-            .counters
-            .generate_started
-            .fetch_add(1, Ordering::Relaxed);
-        lock(&state.seen_ids).push(request.request_id.clone());
-        state.journal("seen", &request.request_id);
-        if let Some(status) = requested_error(&request.request_id) {
-            state.journal("error", &request.request_id);
-            return Err(status);
-        }
-        let big_headers = requested_header_bytes(&request.request_id);
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let delay = state.config.token_delay;
-        tokio::spawn(async move {
-            let seed = seed_of(&request);
-            let prompt = request
+        let id = request.request_id.clone();
+        let ask = Ask {
+            request_id: request.request_id,
+            prompt: request
                 .tokenized
-                .as_ref()
-                .map_or(0, |t| t.input_token_ids.len() as u32);
-            let mut all = Vec::with_capacity(request.max_tokens as usize);
-            let cancelled = |state: &State, id: &str| {
-                state
-                    .counters
-                    .generate_cancelled
-                    .fetch_add(1, Ordering::Relaxed);
-                lock(&state.cancelled_ids).push(id.to_string());
-                state.journal("cancelled", id);
-            };
-            for i in 0..request.max_tokens {
-                if !delay.is_zero() {
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        () = tx.closed() => return cancelled(&state, &request.request_id),
-                        () = state.cancel_calls.cancelled() => {
-                            state.journal("aborted", &request.request_id);
-                            let _ = tx.send(Err(Status::unavailable("Cancelling all calls"))).await;
-                            return;
-                        }
-                    }
-                }
-                let t = token(seed, i);
-                all.push(t);
-                if request.streaming {
-                    let chunk = GenerateResponse {
-                        request_id: request.request_id.clone(),
-                        response: Some(GenResponse::Chunk(GenerateStreamChunk {
-                            token_ids: vec![t],
-                            sequence_index: 0,
-                            prompt_tokens: prompt,
-                            completion_tokens: i + 1,
-                            cached_tokens: 0,
-                        })),
-                    };
-                    if tx.send(Ok(chunk)).await.is_err() {
-                        return cancelled(&state, &request.request_id);
-                    }
-                }
-            }
-            let complete = GenerateResponse {
-                request_id: request.request_id.clone(),
+                .map(|t| t.input_token_ids)
+                .unwrap_or_default(),
+            max_tokens: request.max_tokens,
+            streaming: request.streaming,
+        };
+        let max = ask.max_tokens;
+        let chunk_id = id.clone();
+        generate::start(
+            self.state.clone(),
+            ask,
+            move |t, i, prompt| GenerateResponse {
+                request_id: chunk_id.clone(),
+                response: Some(GenResponse::Chunk(GenerateStreamChunk {
+                    token_ids: vec![t],
+                    sequence_index: 0,
+                    prompt_tokens: prompt,
+                    completion_tokens: i + 1,
+                    cached_tokens: 0,
+                })),
+            },
+            move |all, prompt| GenerateResponse {
+                request_id: id.clone(),
                 response: Some(GenResponse::Complete(GenerateComplete {
                     output_token_ids: all,
                     sequence_index: 0,
                     finish_reason: "length".into(),
                     prompt_tokens: prompt,
-                    completion_tokens: request.max_tokens,
+                    completion_tokens: max,
                     cached_tokens: 0,
                 })),
-            };
-            if tx.send(Ok(complete)).await.is_err() {
-                return cancelled(&state, &request.request_id);
-            }
-            state.journal("done", &request.request_id);
-            state
-                .counters
-                .generate_completed
-                .fetch_add(1, Ordering::Relaxed);
-        });
-        let mut response = Response::new(ReceiverStream::new(rx));
-        if let Some(bytes) = big_headers
-            && let Ok(value) = MetadataValue::try_from("a".repeat(bytes))
-        {
-            response.metadata_mut().insert("x-big", value);
-        }
-        Ok(response)
+            },
+        )
     }
 
     async fn health_check(

@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::Args;
 use llm_sidecar_io::parse_host_port;
 
-use crate::cli::{EXIT_USAGE, duration};
+use crate::cli::{EXIT_USAGE, duration, engine_kind};
 use crate::runtime::runtime;
 
 /// Flags of `llm-sidecar bench`.
@@ -14,6 +14,10 @@ pub struct BenchArgs {
     /// Address to load (host:port): the sidecar's --listen, or the engine directly.
     #[arg(long, default_value = "127.0.0.1:50061")]
     pub target: String,
+    /// Which engine API the target speaks: trtllm, openengine, vllm or sglang
+    /// (each kind's own Generate).
+    #[arg(long, default_value = "trtllm", value_parser = engine_kind)]
+    pub kind: llm_sidecar_io::engine::EngineKind,
     /// Concurrent streams.
     #[arg(long, short = 'c', default_value_t = 16)]
     pub concurrency: usize,
@@ -45,6 +49,7 @@ pub fn run(args: BenchArgs) -> i32 {
     }
     let config = llm_sidecar_loadgen::BenchConfig {
         target: args.target,
+        kind: args.kind,
         concurrency: args.concurrency.max(1),
         tokens: args.tokens,
         duration: Some(args.duration),

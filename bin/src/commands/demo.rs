@@ -9,9 +9,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
-use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+use clap::Args;
+use llm_sidecar_io::engine::EngineKind;
+use llm_sidecar_loadgen::generate::{generate, tokens_of};
 use llm_sidecar_loadgen::local::{free_loopback_addr, http_get, poll_until, record_files};
+
+use crate::cli::engine_kind;
+
+/// Flags of `llm-sidecar demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Which engine the mock plays: trtllm, openengine, vllm or sglang. The
+    /// sidecar is not told: it finds out (--engine-kind auto).
+    #[arg(long, default_value = "trtllm", value_parser = engine_kind)]
+    pub engine_kind: EngineKind,
+}
 
 /// How often the demo looks: often enough to time the withdrawal in milliseconds.
 const POLL: Duration = Duration::from_millis(2);
@@ -55,8 +67,8 @@ fn spawn(exe: &Path, args: &[String], log: &Path) -> std::io::Result<Child> {
 }
 
 /// Runs the demo; returns the process exit code (0 if it showed what it should).
-pub fn run() -> i32 {
-    match demo() {
+pub fn run(args: DemoArgs) -> i32 {
+    match demo(args.engine_kind) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("demo failed: {e}");
@@ -65,7 +77,9 @@ pub fn run() -> i32 {
     }
 }
 
-fn demo() -> Result<(), String> {
+fn demo(kind: EngineKind) -> Result<(), String> {
+    let profile = kind.profile();
+    let engine_name = profile.display_name;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     let dir = std::env::temp_dir().join(format!("llm-sidecar-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -80,13 +94,18 @@ fn demo() -> Result<(), String> {
     let sidecar_log = dir.join("sidecar.log");
 
     outln!(
-        "llm-sidecar demo: a mock TensorRT-LLM engine, the sidecar beside it, and an engine failure.\n"
+        "llm-sidecar demo: a mock {engine_name} engine ({}), the sidecar beside it, and an engine failure.\n",
+        profile.service
     );
-    demo.say(format!("starting the mock TensorRT-LLM engine on {engine}"));
+    demo.say(format!(
+        "starting the mock {engine_name} engine on {engine}"
+    ));
     let mock = spawn(
         &exe,
         &[
             "mock-engine",
+            "--kind",
+            profile.name,
             "--listen",
             &engine.to_string(),
             "--control-listen",
@@ -100,7 +119,7 @@ fn demo() -> Result<(), String> {
     .map_err(|e| format!("cannot start the mock engine: {e}"))?;
     demo.children.push(mock);
     demo.say(format!(
-        "starting llm-sidecar: engine {engine}, request plane {listen}, admin {admin}"
+        "starting llm-sidecar: engine {engine} (kind: auto), request plane {listen}, admin {admin}"
     ));
     let sidecar = spawn(
         &exe,
@@ -136,6 +155,17 @@ fn demo() -> Result<(), String> {
         ));
     }
     let record = record_files(&discovery).remove(0);
+    if let Some(line) = std::fs::read_to_string(&sidecar_log).ok().and_then(|log| {
+        log.lines()
+            .find(|l| l.contains("following it as"))
+            .map(str::to_string)
+    }) {
+        demo.say(format!(
+            "detected: {}",
+            line.split_once("INFO ")
+                .map_or(line.as_str(), |(_, l)| l.trim())
+        ));
+    }
     demo.say(format!(
         "serving: the worker is registered in discovery at\n           {}",
         record.display()
@@ -157,33 +187,15 @@ fn demo() -> Result<(), String> {
         let channel = llm_sidecar_loadgen::connect(&listen.to_string())
             .await
             .map_err(|e| e.to_string())?;
-        let mut client = TrtllmServiceClient::new(channel.clone());
         let mut tokens = 0;
         for i in 0..3 {
-            let mut s = client
-                .generate(llm_sidecar_loadgen::request(format!("demo-{i}"), 16, 32))
-                .await
-                .map_err(|e| format!("call {i}: {e}"))?
-                .into_inner();
-            while let Some(m) = s.message().await.map_err(|e| format!("call {i}: {e}"))? {
-                if let Some(GenResponse::Chunk(c)) = m.response {
-                    tokens += c.token_ids.len();
-                }
-            }
+            let call = async {
+                tokens_of(generate(kind, channel.clone(), format!("demo-{i}"), 16, 32).await?).await
+            };
+            tokens += call.await.map_err(|e| format!("call {i}: {e}"))?;
         }
-        let mut long_client = TrtllmServiceClient::new(channel);
         let long_call = tokio::spawn(async move {
-            let mut s = long_client
-                .generate(llm_sidecar_loadgen::request("demo-long".into(), 16, 200))
-                .await?
-                .into_inner();
-            let mut n = 0;
-            while let Some(m) = s.message().await? {
-                if let Some(GenResponse::Chunk(c)) = m.response {
-                    n += c.token_ids.len();
-                }
-            }
-            Ok::<usize, tonic::Status>(n)
+            tokens_of(generate(kind, channel, "demo-long".into(), 16, 200).await?).await
         });
         Ok::<_, String>((tokens, long_call))
     })?;
@@ -191,7 +203,10 @@ fn demo() -> Result<(), String> {
         "3 Generate calls answered through the sidecar ({answered} tokens streamed)"
     ));
     std::thread::sleep(Duration::from_millis(200));
-    demo.say("a long call (200 tokens) is in flight; now the engine fails: its liveness turns NOT_SERVING");
+    demo.say(format!(
+        "a long call (200 tokens) is in flight; now the engine fails: its health service {:?} turns NOT_SERVING",
+        profile.liveness_service
+    ));
     let flipped = Instant::now();
     http_get(control, "/liveness?status=2", HTTP_READ)
         .ok_or("the mock's control endpoint did not answer")?;
@@ -207,10 +222,10 @@ fn demo() -> Result<(), String> {
         let channel = llm_sidecar_loadgen::connect(&listen.to_string())
             .await
             .ok()?;
-        let mut c = TrtllmServiceClient::new(channel);
-        c.generate(llm_sidecar_loadgen::request("demo-late".into(), 4, 4))
-            .await
-            .err()
+        match generate(kind, channel, "demo-late".into(), 4, 4).await {
+            Ok(pieces) => tokens_of(pieces).await.err(),
+            Err(status) => Some(status),
+        }
     });
     if let Some(status) = refused {
         demo.say(format!(

@@ -5,12 +5,33 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::cli::{EXIT_USAGE, LogFormat, duration};
+use crate::cli::{EXIT_USAGE, LogFormat, duration, engine_kind};
 use crate::runtime::{runtime, shutdown_signals};
 
 /// Flags of `llm-sidecar mock-engine`.
 #[derive(Debug, Args)]
 pub struct MockArgs {
+    /// Which engine API to serve, with that engine's health behaviour:
+    /// trtllm (trtllm.TrtllmService), openengine (openengine.v1.Inference and
+    /// Control, TensorRT-LLM's OpenEngine server), vllm
+    /// (vllm.grpc.engine.VllmEngine), sglang (sglang.grpc.scheduler.SglangScheduler).
+    #[arg(long, default_value = "trtllm", value_parser = engine_kind)]
+    pub kind: llm_sidecar_io::engine::EngineKind,
+    /// The OpenEngine server's engine_name (TensorRT-LLM's is tensorrt_llm).
+    #[arg(long, default_value = "tensorrt_llm")]
+    pub engine_name: String,
+    /// Answer NOT_SERVING for this long after the port opened, then SERVING
+    /// (SGLang's and vLLM's warm-up).
+    #[arg(long, default_value = "0ms", value_parser = duration)]
+    pub warmup: Duration,
+    /// Serve none of the engine APIs (only grpc.health.v1): a gRPC server
+    /// that is not an engine llm-sidecar follows.
+    #[arg(long)]
+    pub no_engine_api: bool,
+    /// Keep the gRPC port closed for this long after start (TensorRT-LLM and
+    /// vLLM bind only once their model loaded).
+    #[arg(long, default_value = "0ms", value_parser = duration)]
+    pub load_delay: Duration,
     /// gRPC listen address.
     #[arg(long, default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
@@ -35,7 +56,8 @@ pub struct MockArgs {
     /// Delay before each generated token.
     #[arg(long, default_value = "0ms", value_parser = duration)]
     pub token_delay: Duration,
-    /// Serve no grpc.health.v1 at all (like an older engine).
+    /// Serve no grpc.health.v1 at all (like an OpenEngine server before
+    /// TensorRT-LLM #20437).
     #[arg(long, conflicts_with = "liveness_unregistered")]
     pub no_health: bool,
     /// Serve grpc.health.v1 without the liveness service until the control endpoint sets it.
@@ -79,6 +101,11 @@ pub fn run(args: MockArgs) -> i32 {
         hold_watch: args.hold_watch,
         watch_unknown_not_found: args.watch_unknown_not_found,
         max_concurrent_streams: args.max_concurrent_streams,
+        kind: args.kind,
+        engine_name: args.engine_name,
+        warmup: args.warmup,
+        load_delay: args.load_delay,
+        no_engine_api: args.no_engine_api,
         health: if args.no_health {
             HealthMode::Absent
         } else if args.liveness_unregistered {

@@ -5,29 +5,9 @@ use std::time::Duration;
 
 use crate::support::*;
 
-/// Checks a loss the way an operator would: the exact ERROR line, the record
-/// withdrawn before the process ended, exit code 1.
+/// A TensorRT-LLM loss as an operator sees it (see [`assert_engine_lost`]).
 fn assert_lost(sidecar: &mut Sidecar, instance: &str, reason_prefix: &str) -> String {
-    let code = sidecar.proc.wait_exit(HANG);
-    let log = sidecar.proc.log_text();
-    assert_eq!(code, 1, "exit code after an engine loss; log:\n{log}");
-    let line = log
-        .lines()
-        .find(|l| l.contains("TensorRT-LLM engine lost: "))
-        .unwrap_or_else(|| panic!("no loss line; log:\n{log}"))
-        .to_string();
-    assert!(line.contains("ERROR"), "loss is logged at ERROR: {line}");
-    assert!(
-        line.contains(&format!("TensorRT-LLM engine lost: {reason_prefix}")),
-        "loss reason {reason_prefix:?} in {line}"
-    );
-    assert!(
-        line.ends_with(&format!("(instance {instance})")),
-        "instance id in {line}"
-    );
-    sidecar.proc.assert_withdrawn_before_exit(1);
-    assert!(sidecar.records().is_empty(), "no record is left behind");
-    line
+    assert_engine_lost(sidecar, "TensorRT-LLM", instance, reason_prefix)
 }
 
 /// A serving sidecar in front of a mock engine, and the worker's instance id.

@@ -10,6 +10,7 @@ mod support;
 
 mod churn;
 mod demo;
+mod engine_kinds;
 mod engine_lifecycle;
 mod etcd_discovery;
 mod faults;

@@ -1,18 +1,20 @@
 //! A TCP relay between the sidecar and the engine that can go silent: it stops
 //! forwarding bytes in both directions without closing anything, as a
-//! partitioned network or a stuck middlebox would.
+//! partitioned network or a stuck middlebox would. It can also cut every open
+//! connection while the engine behind it runs on.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub struct Relay {
     pub addr: SocketAddr,
     silent: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
+    open: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 impl Relay {
@@ -24,6 +26,8 @@ impl Relay {
         let silent = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
         let (s, st) = (silent.clone(), stop.clone());
+        let open = Arc::new(Mutex::new(Vec::new()));
+        let opened = open.clone();
         std::thread::spawn(move || {
             while !st.load(Ordering::Acquire) {
                 match listener.accept() {
@@ -32,6 +36,10 @@ impl Relay {
                         let Ok(up) = TcpStream::connect(target) else {
                             continue;
                         };
+                        if let Ok(mut o) = opened.lock() {
+                            o.extend(down.try_clone());
+                            o.extend(up.try_clone());
+                        }
                         pump(&down, &up, s.clone(), st.clone());
                         pump(&up, &down, s.clone(), st.clone());
                     }
@@ -39,7 +47,19 @@ impl Relay {
                 }
             }
         });
-        Relay { addr, silent, stop }
+        Relay {
+            addr,
+            silent,
+            stop,
+            open,
+        }
+    }
+
+    /// Closes every connection opened so far (new ones are still relayed).
+    pub fn cut(&self) {
+        for stream in self.open.lock().expect("relay lock").drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
     }
 
     /// Stops (true) or resumes (false) forwarding.

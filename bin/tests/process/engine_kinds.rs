@@ -1,0 +1,620 @@
+//! Every engine kind end to end: the mock plays TensorRT-LLM's two APIs, vLLM
+//! and SGLang with each one's real health behaviour, and the sidecar is left
+//! at `--engine-kind auto`. What an operator sees per kind: the detection
+//! line, the record's values, each way that kind is lost (with its line),
+//! a SIGKILL, a SIGTERM drain with a call in flight, and what is not a loss.
+
+use std::time::Duration;
+
+use llm_sidecar_engine_api::{openengine, sglang, trtllm, vllm};
+use tonic::Code;
+use tonic::transport::Channel;
+
+use crate::support::relay::Relay;
+use crate::support::*;
+
+/// One kind as the tests name it.
+#[derive(Clone, Copy)]
+struct Kind {
+    /// `--kind` / `--engine-kind` value.
+    flag: &'static str,
+    /// How the loss line names the engine.
+    engine: &'static str,
+    /// The gRPC service detection finds.
+    service: &'static str,
+}
+
+const TRTLLM: Kind = Kind {
+    flag: "trtllm",
+    engine: "TensorRT-LLM",
+    service: "trtllm.TrtllmService",
+};
+const OPENENGINE: Kind = Kind {
+    flag: "openengine",
+    engine: "TensorRT-LLM",
+    service: "openengine.v1.Control",
+};
+const VLLM: Kind = Kind {
+    flag: "vllm",
+    engine: "vLLM",
+    service: "vllm.grpc.engine.VllmEngine",
+};
+const SGLANG: Kind = Kind {
+    flag: "sglang",
+    engine: "SGLang",
+    service: "sglang.grpc.scheduler.SglangScheduler",
+};
+
+fn mock_args<'a>(kind: Kind, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--kind", kind.flag];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// The mock playing `kind` and a sidecar at `--engine-kind auto` in front,
+/// registered and serving, having said once what it found.
+fn serving_kind(dir: &TempDir, kind: Kind, mock: &[&str], sidecar: &[&str]) -> (Mock, Sidecar) {
+    let (mock, sidecar) = serving(&dir.0, &mock_args(kind, mock), sidecar);
+    assert_detected(&sidecar, kind, mock.grpc);
+    (mock, sidecar)
+}
+
+fn assert_detected(sidecar: &Sidecar, kind: Kind, engine: std::net::SocketAddr) {
+    let line = format!(
+        "the engine at {engine} serves {}: following it as --engine-kind {}",
+        kind.service, kind.flag
+    );
+    assert_eq!(
+        sidecar.proc.count_lines(&line),
+        1,
+        "detection logged once at INFO ({line}); log:\n{}",
+        sidecar.proc.log_text()
+    );
+    assert!(sidecar.proc.wait_for_line(&line, HANG).contains(" INFO "));
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn channel(addr: std::net::SocketAddr) -> Channel {
+    llm_sidecar_loadgen::connect(&addr.to_string())
+        .await
+        .expect("connect")
+}
+
+fn engine_kind(kind: Kind) -> llm_sidecar_io::engine::EngineKind {
+    llm_sidecar_io::engine::EngineKind::from_name(kind.flag).expect("a kind")
+}
+
+/// One streaming Generate of `tokens` tokens in `kind`'s API; the tokens
+/// streamed, or the status's code and message.
+async fn generate(
+    kind: Kind,
+    addr: std::net::SocketAddr,
+    id: &str,
+    tokens: u32,
+) -> Result<usize, (Code, String)> {
+    generate_call(kind, addr, id, tokens)
+        .await
+        .map_err(|s| (s.code(), s.message().to_string()))
+}
+
+async fn generate_call(
+    kind: Kind,
+    addr: std::net::SocketAddr,
+    id: &str,
+    tokens: u32,
+) -> Result<usize, tonic::Status> {
+    let pieces = llm_sidecar_loadgen::generate::generate(
+        engine_kind(kind),
+        channel(addr).await,
+        id.to_string(),
+        8,
+        tokens,
+    )
+    .await?;
+    llm_sidecar_loadgen::generate::tokens_of(pieces).await
+}
+
+/// The kind's own health RPC, as a gateway calls it.
+async fn health_rpc(kind: Kind, addr: std::net::SocketAddr) -> Result<(), tonic::Status> {
+    let ch = channel(addr).await;
+    match kind.flag {
+        "trtllm" => trtllm::trtllm_service_client::TrtllmServiceClient::new(ch)
+            .health_check(trtllm::HealthCheckRequest {})
+            .await
+            .map(drop),
+        "openengine" => openengine::control_client::ControlClient::new(ch)
+            .health(openengine::HealthRequest::default())
+            .await
+            .map(drop),
+        "vllm" => vllm::vllm_engine_client::VllmEngineClient::new(ch)
+            .health_check(vllm::HealthCheckRequest {})
+            .await
+            .map(drop),
+        _ => sglang::sglang_scheduler_client::SglangSchedulerClient::new(ch)
+            .health_check(sglang::HealthCheckRequest {})
+            .await
+            .map(drop),
+    }
+}
+
+// ---- detection and the record ----------------------------------------------
+
+#[test]
+fn auto_finds_trtllm_and_keeps_todays_record() {
+    let dir = TempDir::new("kind-trtllm");
+    let (_mock, mut sidecar) = serving_kind(&dir, TRTLLM, &[], &[]);
+    let r = sidecar.record(&sidecar.records()[0]);
+    assert_eq!(r["engine"]["kind"], "trtllm");
+    assert!(
+        r["engine"]["identity"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("trtllm 1.0.0-mock backend=pytorch")),
+        "{r}"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn auto_finds_openengine_and_registers_its_instance_id_and_served_model() {
+    let dir = TempDir::new("kind-openengine");
+    let (mock, mut sidecar) = serving_kind(
+        &dir,
+        OPENENGINE,
+        &["--model-id", "acme/oe-8b", "--engine-version", "1.3.0rc9"],
+        &[],
+    );
+    let r = sidecar.record(&sidecar.records()[0]);
+    let instance = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let pid = mock.proc.pid();
+    assert!(
+        instance.contains(&format!("-{pid}-")),
+        "<host>-<pid>-<ms>: {instance}"
+    );
+    assert_eq!(r["engine"]["kind"], "openengine");
+    assert_eq!(r["engine"]["identity"], instance.as_str());
+    assert_eq!(r["engine"]["version"], "1.3.0rc9");
+    assert_eq!(r["model"]["name"], "acme/oe-8b");
+    assert_eq!(r["model"]["max_seq_len"], 8192);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn vllm_with_its_port_closed_while_loading_is_waited_for_then_registered() {
+    let dir = TempDir::new("kind-vllm");
+    let mock = Mock::start(
+        &dir.0,
+        free_addr(),
+        &mock_args(
+            VLLM,
+            &[
+                "--load-delay",
+                "2s",
+                "--warmup",
+                "1s",
+                "--model-id",
+                "acme/v-8b",
+                "--engine-version",
+                "0.11.0",
+            ],
+        ),
+    );
+    let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
+    sidecar
+        .proc
+        .wait_for_line("Connection refused", Duration::from_secs(10));
+    sidecar.proc.wait_for_line("warming up", HANG);
+    assert!(
+        sidecar.records().is_empty(),
+        "not registered while warming up"
+    );
+    sidecar.wait_serving();
+    assert_detected(&sidecar, VLLM, mock.grpc);
+    let r = sidecar.record(&sidecar.records()[0]);
+    assert_eq!(r["engine"]["kind"], "vllm");
+    assert_eq!(r["engine"]["version"], "0.11.0");
+    assert_eq!(r["model"]["name"], "acme/v-8b");
+    assert_eq!(r["model"]["max_input_len"], 4096);
+    assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn sglang_warm_up_is_not_a_loss_and_start_time_is_its_identity() {
+    let dir = TempDir::new("kind-sglang");
+    let mock = Mock::start(
+        &dir.0,
+        free_addr(),
+        &mock_args(SGLANG, &["--warmup", "3s", "--model-id", "acme/s-8b"]),
+    );
+    let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
+    let line = sidecar.proc.wait_for_line("warming up", HANG);
+    assert!(
+        line.contains("\"sglang.grpc.scheduler.SglangScheduler\" reports NOT_SERVING"),
+        "{line}"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(sidecar.proc.running(), "NOT_SERVING in warm-up is no loss");
+    assert!(
+        sidecar.records().is_empty(),
+        "not registered while warming up"
+    );
+    sidecar.wait_serving();
+    assert_detected(&sidecar, SGLANG, mock.grpc);
+    let r = sidecar.record(&sidecar.records()[0]);
+    assert_eq!(r["engine"]["kind"], "sglang");
+    assert_eq!(r["model"]["name"], "acme/s-8b");
+    let identity = r["engine"]["identity"].as_str().expect("identity");
+    assert!(
+        identity.starts_with("started 20") && identity.ends_with(".000Z"),
+        "start_time in whole seconds: {identity}"
+    );
+    assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn an_engine_serving_none_of_the_apis_fails_start_up_saying_what_was_tried() {
+    let dir = TempDir::new("kind-none");
+    let mock = Mock::start(&dir.0, free_addr(), &["--no-engine-api"]);
+    let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &["--startup-deadline", "3s"]);
+    assert_eq!(sidecar.proc.wait_exit(HANG), 3);
+    let log = sidecar.proc.log_text();
+    assert!(
+        log.contains(
+            "serves none of the engine APIs llm-sidecar follows (tried \
+             /openengine.v1.Control/GetServerInfo, /trtllm.TrtllmService/GetServerInfo, \
+             /vllm.grpc.engine.VllmEngine/GetModelInfo, \
+             /sglang.grpc.scheduler.SglangScheduler/GetServerInfo: every one UNIMPLEMENTED)"
+        ),
+        "{log}"
+    );
+    assert_eq!(
+        sidecar.proc.count_lines("serves none of the engine APIs"),
+        1,
+        "said once, not every attempt"
+    );
+    assert!(sidecar.records().is_empty());
+}
+
+// ---- OpenEngine ------------------------------------------------------------
+
+#[test]
+fn openengine_not_serving_is_a_loss_named_by_its_engine_name_and_instance_id() {
+    let dir = TempDir::new("oe-notserving");
+    let (mock, mut sidecar) = serving_kind(&dir, OPENENGINE, &["--engine-name", "acme_llm"], &[]);
+    let instance = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    // `inference` is never followed.
+    mock.control("/liveness?service=inference&status=2");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(sidecar.proc.running(), "inference NOT_SERVING is no loss");
+    mock.control("/liveness?status=2");
+    let line = assert_engine_lost(
+        &mut sidecar,
+        "acme_llm",
+        &instance,
+        "liveness reported NOT_SERVING",
+    );
+    assert!(line.ends_with(&format!(
+        "acme_llm engine lost: liveness reported NOT_SERVING (instance {instance})"
+    )));
+}
+
+#[test]
+fn openengine_get_load_failing_unavailable_is_a_stale_load_loss() {
+    let dir = TempDir::new("oe-stale");
+    let (mock, mut sidecar) = serving_kind(&dir, OPENENGINE, &[], &["--stale-after", "2s"]);
+    let instance = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    mock.control("/getload?mode=unavailable");
+    assert_engine_lost(
+        &mut sidecar,
+        "TensorRT-LLM",
+        &instance,
+        "routing load stale for 2",
+    );
+}
+
+#[test]
+fn openengine_without_health_warns_once_then_a_stalled_get_load_is_still_a_loss() {
+    let dir = TempDir::new("oe-nohealth");
+    let (mock, mut sidecar) =
+        serving_kind(&dir, OPENENGINE, &["--no-health"], &["--stale-after", "2s"]);
+    let instance = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    sidecar
+        .proc
+        .wait_for_line("does not serve grpc.health.v1", HANG);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "no health service is no loss");
+    assert_eq!(
+        sidecar.proc.count_lines(" WARN "),
+        1,
+        "one warning; log:\n{}",
+        sidecar.proc.log_text()
+    );
+    mock.control("/getload?mode=stall");
+    assert_engine_lost(
+        &mut sidecar,
+        "TensorRT-LLM",
+        &instance,
+        "routing load stale for 2",
+    );
+}
+
+#[test]
+fn openengine_restarted_on_the_same_port_is_a_loss_by_its_new_instance_id() {
+    let dir = TempDir::new("oe-restart");
+    // Without health, only the identity can tell the restart apart.
+    let (mut mock, mut sidecar) = serving_kind(
+        &dir,
+        OPENENGINE,
+        &["--no-health"],
+        &["--stale-after", "30s"],
+    );
+    let old = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let grpc = mock.grpc;
+    mock.proc.signal("KILL");
+    mock.proc.wait_exit_or_signal(HANG);
+    let restarted = Mock::start(&dir.0, grpc, &mock_args(OPENENGINE, &["--no-health"]));
+    let new = restarted.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    assert_ne!(old, new);
+    let line = assert_engine_lost(
+        &mut sidecar,
+        "TensorRT-LLM",
+        &old,
+        &format!("new engine identity {old} -> {new}"),
+    );
+    assert!(line.contains(&new));
+}
+
+#[test]
+fn openengine_connection_cut_is_reconnected_not_a_loss() {
+    let dir = TempDir::new("oe-cut");
+    let mock = Mock::start(
+        &dir.0,
+        free_addr(),
+        &mock_args(OPENENGINE, &["--no-health"]),
+    );
+    let relay = Relay::start(mock.grpc);
+    let mut sidecar = Sidecar::start(&dir.0, relay.addr, &[]);
+    sidecar.wait_serving();
+    relay.cut();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        sidecar.proc.running(),
+        "OpenEngine has an identity of its own: a new connection is no loss; log:\n{}",
+        sidecar.proc.log_text()
+    );
+    assert_eq!(
+        rt().block_on(generate(OPENENGINE, sidecar.listen, "after-cut", 4)),
+        Ok(4)
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+// ---- vLLM --------------------------------------------------------------------
+
+#[test]
+fn vllm_single_message_watch_is_not_a_loss_over_seconds_of_serving() {
+    let dir = TempDir::new("vllm-serving");
+    let (mock, mut sidecar) = serving_kind(&dir, VLLM, &[], &[]);
+    let loads_before = mock.stats()["load_calls"].as_u64().unwrap_or(0);
+    let runtime = rt();
+    for i in 0..8 {
+        let tokens = runtime.block_on(generate(VLLM, sidecar.listen, &format!("v-{i}"), 16));
+        assert_eq!(tokens, Ok(16));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(sidecar.proc.running(), "log:\n{}", sidecar.proc.log_text());
+    assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
+    assert_eq!(sidecar.proc.count_lines(" WARN "), 0);
+    assert_eq!(sidecar.state()["state"], "Serving");
+    assert!(
+        mock.stats()["load_calls"].as_u64().unwrap_or(0) > loads_before,
+        "GetLoads keeps being asked"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn vllm_not_serving_after_serving_is_a_polled_loss() {
+    let dir = TempDir::new("vllm-notserving");
+    let (mock, mut sidecar) = serving_kind(&dir, VLLM, &[], &[]);
+    let id = sidecar.instance_id();
+    mock.control("/liveness?status=2");
+    let line = assert_engine_lost(&mut sidecar, "vLLM", &id, "liveness reported NOT_SERVING");
+    assert!(line.ends_with(&format!(
+        "vLLM engine lost: liveness reported NOT_SERVING (instance {id})"
+    )));
+}
+
+#[test]
+fn vllm_health_check_failing_is_a_loss() {
+    let dir = TempDir::new("vllm-checkfails");
+    let (mock, mut sidecar) = serving_kind(&dir, VLLM, &[], &[]);
+    let id = sidecar.instance_id();
+    mock.control("/unregister");
+    assert_engine_lost(&mut sidecar, "vLLM", &id, "health check failed: NOT_FOUND");
+}
+
+#[test]
+fn vllm_connection_lost_is_a_loss_though_the_engine_runs_on() {
+    let dir = TempDir::new("vllm-cut");
+    let mock = Mock::start(&dir.0, free_addr(), &mock_args(VLLM, &[]));
+    let relay = Relay::start(mock.grpc);
+    let mut sidecar = Sidecar::start(&dir.0, relay.addr, &[]);
+    sidecar.wait_serving();
+    let id = sidecar.instance_id();
+    relay.cut();
+    assert_engine_lost(&mut sidecar, "vLLM", &id, "engine connection lost");
+}
+
+#[test]
+fn vllm_get_loads_failing_is_a_stale_load_loss() {
+    let dir = TempDir::new("vllm-stale");
+    let (mock, mut sidecar) = serving_kind(&dir, VLLM, &[], &["--stale-after", "2s"]);
+    let id = sidecar.instance_id();
+    mock.control("/getload?mode=unavailable");
+    assert_engine_lost(&mut sidecar, "vLLM", &id, "routing load stale for 2");
+}
+
+// ---- SGLang ------------------------------------------------------------------
+
+#[test]
+fn sglang_stall_turning_not_serving_is_a_loss() {
+    let dir = TempDir::new("sglang-stall");
+    let (mock, mut sidecar) = serving_kind(&dir, SGLANG, &[], &[]);
+    let id = sidecar.instance_id();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "its one-message Watch is no loss");
+    mock.control("/stall");
+    assert_engine_lost(&mut sidecar, "SGLang", &id, "liveness reported NOT_SERVING");
+}
+
+#[test]
+fn sglang_get_loads_stalling_is_a_stale_load_loss() {
+    let dir = TempDir::new("sglang-stale");
+    let (mock, mut sidecar) = serving_kind(&dir, SGLANG, &[], &["--stale-after", "2s"]);
+    let id = sidecar.instance_id();
+    mock.control("/getload?mode=stall");
+    assert_engine_lost(&mut sidecar, "SGLang", &id, "routing load stale for 2");
+}
+
+// ---- every kind: SIGKILL, and a SIGTERM drain with a call in flight ------------
+
+fn sigkill_is_a_loss(kind: Kind, reasons: &[&str]) {
+    let dir = TempDir::new(&format!("kill-{}", kind.flag));
+    let (mock, mut sidecar) = serving_kind(&dir, kind, &[], &[]);
+    let instance = match kind.flag {
+        "openengine" => mock.stats()["instance_id"]
+            .as_str()
+            .expect("id")
+            .to_string(),
+        _ => sidecar.instance_id(),
+    };
+    mock.proc.signal("KILL");
+    let code = sidecar.proc.wait_exit(HANG);
+    let log = sidecar.proc.log_text();
+    assert_eq!(code, 1, "{log}");
+    let line = log
+        .lines()
+        .find(|l| l.contains(" engine lost: "))
+        .unwrap_or_else(|| panic!("no loss line:\n{log}"));
+    assert!(
+        reasons
+            .iter()
+            .any(|r| line.contains(&format!("{} engine lost: {r}", kind.engine))),
+        "{line} is one of {reasons:?}"
+    );
+    assert!(line.ends_with(&format!("(instance {instance})")), "{line}");
+    sidecar.proc.assert_withdrawn_before_exit(1);
+    assert!(sidecar.records().is_empty());
+}
+
+#[test]
+fn sigkill_of_trtllm_is_a_loss() {
+    sigkill_is_a_loss(TRTLLM, &["liveness stream failed"]);
+}
+
+#[test]
+fn sigkill_of_openengine_is_a_loss() {
+    sigkill_is_a_loss(OPENENGINE, &["liveness stream failed"]);
+}
+
+#[test]
+fn sigkill_of_vllm_is_a_loss_by_its_connection() {
+    sigkill_is_a_loss(VLLM, &["engine connection lost", "health check failed"]);
+}
+
+#[test]
+fn sigkill_of_sglang_is_a_loss_by_its_connection() {
+    sigkill_is_a_loss(SGLANG, &["engine connection lost", "health check failed"]);
+}
+
+/// SIGTERM with a call in flight: withdrawn first, the kind's own health RPC
+/// answered "draining" by the sidecar (never reaching the engine), the call
+/// completes with every token, exit 0.
+fn sigterm_drains_a_call(kind: Kind) {
+    let dir = TempDir::new(&format!("drain-{}", kind.flag));
+    let (_mock, mut sidecar) = serving_kind(
+        &dir,
+        kind,
+        &["--token-delay", "10ms"],
+        &["--router-grace", "1s", "--drain-timeout", "10s"],
+    );
+    let runtime = rt();
+    runtime.block_on(async {
+        assert_eq!(
+            health_rpc(kind, sidecar.listen).await.map_err(|s| s.code()),
+            Ok(())
+        );
+        let listen = sidecar.listen;
+        let long = tokio::spawn(async move { generate(kind, listen, "in-flight", 150).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sidecar.proc.signal("TERM");
+        wait_until(HANG, "the record to be withdrawn", || {
+            sidecar.records().is_empty()
+        });
+        let refused = health_rpc(kind, sidecar.listen)
+            .await
+            .expect_err("the health RPC while draining");
+        // "draining" is the sidecar's own answer: the engine never says it.
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::Unavailable, "draining")
+        );
+        assert_eq!(long.await.expect("join"), Ok(150), "every token delivered");
+    });
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.assert_withdrawn_before_exit(0);
+    assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
+}
+
+#[test]
+fn sigterm_drains_a_trtllm_call() {
+    sigterm_drains_a_call(TRTLLM);
+}
+
+#[test]
+fn sigterm_drains_an_openengine_call() {
+    sigterm_drains_a_call(OPENENGINE);
+}
+
+#[test]
+fn sigterm_drains_a_vllm_call() {
+    sigterm_drains_a_call(VLLM);
+}
+
+#[test]
+fn sigterm_drains_an_sglang_call() {
+    sigterm_drains_a_call(SGLANG);
+}
