@@ -2,8 +2,10 @@
 # Performance, side by side, in one command (docs/PERFORMANCE.md explains it):
 #   1. the same load straight to the mock engine, through llm-sidecar, and through
 #      nginx as a plain gRPC reverse proxy, at 1, 16, 64 and 256 streams;
-#   2. detection latency for each way an engine is lost, file and etcd discovery.
-# Reports land in target/perf-proxy.md and target/perf-detection.md.
+#   2. detection latency for each way an engine is lost, file and etcd discovery;
+#   3. detection latency per engine kind (NOT_SERVING, SIGKILL, SIGSTOP).
+# Reports land in target/perf-proxy.md, target/perf-detection.md and
+# target/perf-detection-kinds.md.
 # Knobs: PERF_SECS, PERF_REPS, PERF_STREAMS, DETECT_RUNS (see bin/tests/perf.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,5 +17,5 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
 cargo build --release --locked -p llm-sidecar
-# Arguments narrow the run to matching tests (e.g. proxy_cost); none: both benchmarks.
+# Arguments narrow the run to matching tests (e.g. proxy_cost); none: every benchmark.
 cargo test --release --locked -p llm-sidecar --test process -- --ignored --nocapture --test-threads 1 "${@:-perf::}"

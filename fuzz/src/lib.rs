@@ -123,7 +123,7 @@ pub fn liveness_status(data: &[u8]) {
     let mut phase = WatchPhase::AwaitingFirst;
     // `Unstructured` answers with defaults once the data runs out: stop there.
     while !u.is_empty() {
-        let Ok(kind) = u.int_in_range(0u8..=9) else {
+        let Ok(kind) = u.int_in_range(0u8..=10) else {
             break;
         };
         let observation = match kind {
@@ -140,8 +140,13 @@ pub fn liveness_status(data: &[u8]) {
                 code: i32::arbitrary(&mut u).unwrap_or(14),
                 message: String::new(),
             },
-            _ => LivenessObservation::NotOpened {
+            9 => LivenessObservation::NotOpened {
                 waited: Duration::from_millis(u64::from(u8::arbitrary(&mut u).unwrap_or(0))),
+            },
+            // A polled Check failing (vLLM, SGLang).
+            _ => LivenessObservation::CheckFailed {
+                code: i32::arbitrary(&mut u).unwrap_or(14),
+                message: String::new(),
             },
         };
         let before = phase;

@@ -410,3 +410,123 @@ fn detection_latency_per_fault() {
         &report,
     );
 }
+
+/// One kind's runs of one fault, file discovery: sorted fault-to-withdrawal
+/// times, and the loss reasons seen.
+fn detect_runs(kind: &str, fault: Fault, runs: usize) -> (Vec<Duration>, BTreeMap<String, usize>) {
+    let dir = TempDir::new(&format!("detect-{kind}"));
+    let mut samples = Vec::with_capacity(runs);
+    let mut reasons = BTreeMap::new();
+    for run in 0..runs {
+        let mock = Mock::start(&dir.0, free_addr(), &["--kind", kind]);
+        let mut sidecar = Sidecar::start(&dir.0, mock.grpc, fault.flags());
+        let path = sidecar.wait_for_record(HANG);
+        sidecar.proc.wait_for_line("registered; serving", HANG);
+        // The polls start at registration: a fault at a fixed time after it
+        // would always fall at the same point between two polls. Spread the
+        // runs over the interval (37 ms steps, modulo 100 ms).
+        std::thread::sleep(Duration::from_millis(300 + (run as u64 * 37) % 100));
+        let start = Instant::now();
+        fault.inject(&mock);
+        while path.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "{kind}: {} never detected",
+                fault.name()
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        samples.push(start.elapsed());
+        assert_eq!(sidecar.proc.wait_exit(HANG), 1);
+        let line = sidecar.proc.wait_for_line(" engine lost: ", HANG);
+        let reason = line
+            .split_once(" engine lost: ")
+            .map(|(_, r)| r.split([':', '(']).next().unwrap_or(r).trim().to_string())
+            .unwrap_or_default();
+        *reasons.entry(reason).or_insert(0) += 1;
+        if matches!(fault, Fault::Stop) {
+            mock.proc.signal("KILL");
+        }
+    }
+    samples.sort();
+    (samples, reasons)
+}
+
+/// Every kind, at default settings except where the fault needs a flag: a
+/// NOT_SERVING (streamed for TensorRT-LLM, polled for vLLM and SGLang), a
+/// SIGKILL, a SIGSTOP. The SIGSTOP runs of the four kinds go side by side
+/// (they wait on timers, not on the CPU); the others one after another.
+/// DETECT_KINDS (`vllm,sglang`) and DETECT_FAULTS (`not_serving,kill,stop`)
+/// narrow the run.
+#[test]
+#[ignore = "benchmark; run with --ignored --nocapture"]
+fn detection_latency_per_kind() {
+    let runs: usize = env_or("DETECT_RUNS", 20);
+    // DETECT_KINDS and DETECT_FAULTS (not_serving, kill, stop) narrow the run.
+    let chosen = |var: &str, all: &[&'static str]| -> Vec<(usize, &'static str)> {
+        let wanted = std::env::var(var).unwrap_or_default();
+        all.iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, x)| wanted.is_empty() || wanted.split(',').any(|w| w == *x))
+            .collect()
+    };
+    let kinds = chosen("DETECT_KINDS", &["trtllm", "openengine", "vllm", "sglang"]);
+    let fault_names = chosen("DETECT_FAULTS", &["not_serving", "kill", "stop"]);
+    let fault_of = |name: &str| match name {
+        "not_serving" => Fault::NotServing,
+        "kill" => Fault::Kill,
+        _ => Fault::Stop,
+    };
+    let mut rows: BTreeMap<(usize, usize), String> = BTreeMap::new();
+    let row = |kind: &str, fault: Fault, samples: &[Duration], reasons: &BTreeMap<String, usize>| {
+        let p = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+        let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{r} ×{n}")).collect();
+        format!(
+            "| {kind} | {} | {} | {} | {} | {} |",
+            fault.name(),
+            fmt_ms(p(0.5)),
+            fmt_ms(p(0.9)),
+            fmt_ms(samples[samples.len() - 1]),
+            reasons.join(", ")
+        )
+    };
+    for &(f, name) in fault_names.iter().filter(|(_, n)| *n != "stop") {
+        for &(k, kind) in &kinds {
+            let (samples, reasons) = detect_runs(kind, fault_of(name), runs);
+            let line = row(kind, fault_of(name), &samples, &reasons);
+            println!("{line}");
+            rows.insert((k, f), line);
+        }
+    }
+    if fault_names.iter().any(|(_, n)| *n == "stop") {
+        let stopped: Vec<_> = kinds
+            .iter()
+            .map(|&(k, kind)| {
+                (
+                    k,
+                    kind,
+                    std::thread::spawn(move || detect_runs(kind, Fault::Stop, runs)),
+                )
+            })
+            .collect();
+        for (k, kind, handle) in stopped {
+            let (samples, reasons) = handle.join().expect("SIGSTOP runs");
+            let line = row(kind, Fault::Stop, &samples, &reasons);
+            println!("{line}");
+            rows.insert((k, 2), line);
+        }
+    }
+    let mut report = format!(
+        "fault injected -> record file gone, file discovery, {runs} runs each\n\n\
+         | kind | fault | median | p90 | worst | loss reasons |\n|---|---|---|---|---|---|\n"
+    );
+    for line in rows.values() {
+        let _ = writeln!(report, "{line}");
+    }
+    println!("{report}");
+    let _ = std::fs::write(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-detection-kinds.md"),
+        &report,
+    );
+}

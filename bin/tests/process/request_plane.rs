@@ -513,3 +513,34 @@ fn exit_closes_a_busy_caller_connection_without_a_reset() {
     assert_eq!(write_error, None, "the caller's writes never met a reset");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+#[test]
+fn a_client_stream_reaches_the_engine_whole_and_its_answer_comes_back() {
+    use llm_sidecar_mock_engine::echo_api::EchoChunk;
+    use llm_sidecar_mock_engine::echo_api::echo_client::EchoClient;
+    let dir = TempDir::new("client-stream");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    // 200 chunks of different sizes (up to 64 KiB), as the engine would checksum them.
+    let chunks: Vec<Vec<u8>> = (0..200u32)
+        .map(|i| (0..(i * 331) % 65_536).map(|b| (b * 7 + i) as u8).collect())
+        .collect();
+    let (bytes, checksum) = chunks.iter().flatten().fold((0u64, 0u64), |(n, c), b| {
+        (n + 1, c.wrapping_mul(31).wrapping_add(u64::from(*b)))
+    });
+    let summary = rt().block_on(async {
+        let channel = llm_sidecar_loadgen::connect(&sidecar.listen.to_string())
+            .await
+            .expect("connect");
+        let outbound = tokio_stream::iter(chunks.into_iter().map(|data| EchoChunk { data }));
+        EchoClient::new(channel)
+            .collect(outbound)
+            .await
+            .expect("the client-streaming call")
+            .into_inner()
+    });
+    assert_eq!(summary.chunks, 200);
+    assert_eq!(summary.bytes, bytes);
+    assert_eq!(summary.checksum, checksum, "every byte, in order");
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
