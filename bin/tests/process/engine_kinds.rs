@@ -462,6 +462,11 @@ fn vllm_health_check_failing_is_a_loss() {
     let dir = TempDir::new("vllm-checkfails");
     let (mock, mut sidecar) = serving_kind(&dir, VLLM, &[], &[]);
     let id = sidecar.instance_id();
+    // A service missing from the very first poll is an engine without one
+    // (a warning, no loss): fail it only once a SERVING was read.
+    wait_until(HANG, "the first polled SERVING", || {
+        sidecar.metric("llm_sidecar_liveness_watch_status") == Some(1.0)
+    });
     mock.control("/unregister");
     assert_engine_lost(&mut sidecar, "vLLM", &id, "health check failed: NOT_FOUND");
 }

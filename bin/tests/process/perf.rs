@@ -479,18 +479,19 @@ fn detection_latency_per_kind() {
         _ => Fault::Stop,
     };
     let mut rows: BTreeMap<(usize, usize), String> = BTreeMap::new();
-    let row = |kind: &str, fault: Fault, samples: &[Duration], reasons: &BTreeMap<String, usize>| {
-        let p = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
-        let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{r} ×{n}")).collect();
-        format!(
-            "| {kind} | {} | {} | {} | {} | {} |",
-            fault.name(),
-            fmt_ms(p(0.5)),
-            fmt_ms(p(0.9)),
-            fmt_ms(samples[samples.len() - 1]),
-            reasons.join(", ")
-        )
-    };
+    let row =
+        |kind: &str, fault: Fault, samples: &[Duration], reasons: &BTreeMap<String, usize>| {
+            let p = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+            let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{r} ×{n}")).collect();
+            format!(
+                "| {kind} | {} | {} | {} | {} | {} |",
+                fault.name(),
+                fmt_ms(p(0.5)),
+                fmt_ms(p(0.9)),
+                fmt_ms(samples[samples.len() - 1]),
+                reasons.join(", ")
+            )
+        };
     for &(f, name) in fault_names.iter().filter(|(_, n)| *n != "stop") {
         for &(k, kind) in &kinds {
             let (samples, reasons) = detect_runs(kind, fault_of(name), runs);
