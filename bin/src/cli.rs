@@ -45,6 +45,14 @@ pub enum Command {
     MockEngine(MockArgs),
     /// List the workers registered in discovery.
     Instances(InstancesArgs),
+    /// Look once at an engine (any kind) or a running sidecar; exit 0 only
+    /// when it serves.
+    ///
+    /// For exec probes and scripts. Exit codes: 0 serving; 2 bad flags, or
+    /// nothing accepted the connection; 3 a call failed or timed out, or the
+    /// engine serves none of the APIs llm-sidecar follows; 4 it answered but
+    /// not SERVING (2, 3 and 4 as grpc_health_probe's).
+    Probe(crate::commands::probe::ProbeArgs),
     /// Load the request plane: N concurrent Generate streams of M tokens.
     ///
     /// Works against any address that speaks the engine kind's API (the
@@ -62,7 +70,9 @@ impl Cli {
         match &self.command {
             Command::Run(a) => a.log_format,
             Command::MockEngine(a) => a.log_format,
-            Command::Instances(_) | Command::Bench(_) | Command::Demo(_) => LogFormat::Text,
+            Command::Instances(_) | Command::Bench(_) | Command::Demo(_) | Command::Probe(_) => {
+                LogFormat::Text
+            }
         }
     }
 }

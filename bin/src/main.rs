@@ -34,6 +34,7 @@ fn main() -> ExitCode {
         cli::Command::Run(args) => commands::run::run(*args),
         cli::Command::MockEngine(args) => commands::mock_engine::run(args),
         cli::Command::Instances(args) => commands::instances::run(args),
+        cli::Command::Probe(args) => commands::probe::run(args),
         cli::Command::Bench(args) => commands::bench::run(args),
         cli::Command::Demo(args) => commands::demo::run(args),
     };

@@ -4,4 +4,5 @@ pub mod bench;
 pub mod demo;
 pub mod instances;
 pub mod mock_engine;
+pub mod probe;
 pub mod run;

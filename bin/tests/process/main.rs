@@ -18,5 +18,6 @@ mod hardening;
 mod load;
 mod measure;
 mod perf;
+mod probe;
 mod request_plane;
 mod security;

@@ -107,6 +107,23 @@ async fn answers(
     }
 }
 
+/// Asks `kind`'s detection call once: `Ok` if the engine answered it (an
+/// UNIMPLEMENTED is an error here: the engine does not serve that kind).
+pub(crate) async fn answers_now(
+    kind: EngineKind,
+    channel: &Channel,
+    bound: Duration,
+) -> Result<(), EngineError> {
+    match answers(kind, channel, bound).await? {
+        true => Ok(()),
+        false => Err(EngineError::Call {
+            call: "the kind's detection call",
+            code: tonic::Code::Unimplemented,
+            message: format!("the engine does not serve {}", kind.profile().service),
+        }),
+    }
+}
+
 /// Finds the kind the engine serves, each call bounded by `bound`.
 pub async fn detect(channel: &Channel, bound: Duration) -> Result<Detected, EngineError> {
     let calls = PROFILES.map(|p| answers(p.kind, channel, bound));

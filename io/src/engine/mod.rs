@@ -9,6 +9,7 @@
 //! them all (`detect.rs`). Adding an engine means a profile and its calls
 //! here; the core is untouched.
 
+pub mod check;
 mod connector;
 pub(crate) mod detect;
 pub(crate) mod monitors;
