@@ -14,6 +14,10 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 # The etcd discovery tests start a real etcd of their own.
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+# deploy/: the systemd unit is checked with systemd-analyze, the image built
+# with podman (or buildah).
+command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
+command -v podman >/dev/null 2>&1 || command -v buildah >/dev/null 2>&1 || need_apt+=(podman buildah)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]}"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
@@ -26,6 +30,13 @@ if ! python3 -c 'import grpc' 2>/dev/null; then
   python3 -m pip install --quiet grpcio
 fi
 
+# The Kubernetes manifests are validated offline against the API schemas
+# (kubernetes-validate carries them); check-deploy.py reads them with PyYAML.
+if ! python3 -c "import kubernetes_validate, yaml" 2>/dev/null; then
+  log "installing kubernetes-validate (pip)"
+  python3 -m pip install --quiet kubernetes-validate pyyaml
+fi
+
 log "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -34,6 +45,20 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 log "cargo test --workspace"
 cargo test --workspace --locked
+
+log "deploy/: Kubernetes schemas (1.33, strict), flags and stop budgets, systemd unit"
+python3 -m kubernetes_validate --strict --quiet -k 1.33.0 deploy/kubernetes/*.yaml
+python3 scripts/check-deploy.py target/debug/llm-sidecar
+unit_dir=$(mktemp -d)
+sed "s|/usr/local/bin/llm-sidecar|$PWD/target/debug/llm-sidecar|" deploy/systemd/llm-sidecar.service \
+  > "$unit_dir/llm-sidecar.service"
+# verify exits 0 on a directive it ignores; any word from it is a finding.
+verified=$(systemd-analyze verify "$unit_dir/llm-sidecar.service" 2>&1 || true)
+rm -rf "$unit_dir"
+if [ -n "$verified" ]; then echo "$verified"; exit 1; fi
+
+log "container image (deploy/Containerfile, FROM scratch)"
+bash scripts/image.sh
 
 log "loom model of the admission gate (own build, --cfg loom, preemption bound ${LOOM_MAX_PREEMPTIONS:=3})"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS="$LOOM_MAX_PREEMPTIONS" \

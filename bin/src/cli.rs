@@ -53,6 +53,14 @@ pub enum Command {
     /// engine serves none of the APIs llm-sidecar follows; 4 it answered but
     /// not SERVING (2, 3 and 4 as grpc_health_probe's).
     Probe(crate::commands::probe::ProbeArgs),
+    /// Copy this executable into a directory, for an exec probe in another
+    /// container (the image has no cp).
+    ///
+    /// In Kubernetes: an init container runs `copy-binary /shared`, and the
+    /// engine's container runs `/shared/llm-sidecar probe --engine ...` as its
+    /// startup probe. Exit 0 copied; 2 the directory does not exist; 73 the
+    /// copy could not be written.
+    CopyBinary(crate::commands::copy_binary::CopyBinaryArgs),
     /// Load the request plane: N concurrent Generate streams of M tokens.
     ///
     /// Works against any address that speaks the engine kind's API (the
@@ -70,9 +78,11 @@ impl Cli {
         match &self.command {
             Command::Run(a) => a.log_format,
             Command::MockEngine(a) => a.log_format,
-            Command::Instances(_) | Command::Bench(_) | Command::Demo(_) | Command::Probe(_) => {
-                LogFormat::Text
-            }
+            Command::Instances(_)
+            | Command::Bench(_)
+            | Command::Demo(_)
+            | Command::Probe(_)
+            | Command::CopyBinary(_) => LogFormat::Text,
         }
     }
 }

@@ -35,6 +35,7 @@ fn main() -> ExitCode {
         cli::Command::MockEngine(args) => commands::mock_engine::run(args),
         cli::Command::Instances(args) => commands::instances::run(args),
         cli::Command::Probe(args) => commands::probe::run(args),
+        cli::Command::CopyBinary(args) => commands::copy_binary::run(args),
         cli::Command::Bench(args) => commands::bench::run(args),
         cli::Command::Demo(args) => commands::demo::run(args),
     };

@@ -21,3 +21,4 @@ mod perf;
 mod probe;
 mod request_plane;
 mod security;
+mod termination;

@@ -37,6 +37,9 @@ use tonic::transport::{Channel, Endpoint};
 pub enum Seen {
     Ok,
     EngineStatus,
+    /// The engine's own graceful stop cancelled the call at the end of its
+    /// grace (UNAVAILABLE "Cancelling all calls", relayed as the engine sent it).
+    EngineStopped,
     Refused,
     Cut,
     EngineFailed,
@@ -52,6 +55,7 @@ impl Seen {
         match self {
             Seen::Ok => "ok",
             Seen::EngineStatus => "engine_status",
+            Seen::EngineStopped => "engine_stopped",
             Seen::Refused => "refused",
             Seen::Cut => "cut",
             Seen::EngineFailed => "engine_failed",
@@ -66,7 +70,12 @@ impl Seen {
     fn forwarded(&self) -> bool {
         matches!(
             self,
-            Seen::Ok | Seen::EngineStatus | Seen::Cut | Seen::EngineFailed | Seen::Cancelled
+            Seen::Ok
+                | Seen::EngineStatus
+                | Seen::EngineStopped
+                | Seen::Cut
+                | Seen::EngineFailed
+                | Seen::Cancelled
         )
     }
 }
@@ -289,6 +298,7 @@ fn classify(code: Code, message: &str, requested_error: Option<&String>) -> Seen
     }
     match code {
         Code::Unavailable if message == "draining" => Seen::Refused,
+        Code::Unavailable if message == "Cancelling all calls" => Seen::EngineStopped,
         Code::Unavailable if message.starts_with("drain deadline reached") => Seen::Cut,
         Code::Unavailable
             if message.starts_with("engine stream failed")
@@ -474,10 +484,14 @@ pub fn reconcile(
             "refused" => counted - unread_refusals,
             _ => counted,
         };
-        if c(label) != counted {
+        // The sidecar counts an engine's stop like any status the engine sent.
+        let seen = match label {
+            "engine_status" => c(label) + c("engine_stopped"),
+            _ => c(label),
+        };
+        if seen != counted {
             problems.push(format!(
-                "{label}: callers saw {}, the sidecar counted {counted}",
-                c(label)
+                "{label}: callers saw {seen}, the sidecar counted {counted}"
             ));
         }
     }
@@ -528,6 +542,9 @@ pub fn reconcile(
             }
             Seen::EngineStatus if !journal.has("error", id) => {
                 problems.push(format!("call {id}: engine status never sent by the engine"));
+            }
+            Seen::EngineStopped if !journal.has("aborted", id) => {
+                problems.push(format!("call {id}: never cancelled by the engine's stop"));
             }
             // A call the engine was still generating when the caller lost it must
             // reach the engine as a reset. (A frozen engine may finish a call after
