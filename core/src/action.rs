@@ -78,6 +78,13 @@ pub enum Action {
     },
     /// Reset every call still in flight (both sides see the stream end).
     CancelInFlight,
+    /// The loss is withdrawn and drained (`--on-engine-loss rejoin`): forget
+    /// the engine, wait for it again as at start-up (answer with
+    /// `EngineReady`), and build the next record under this instance id.
+    Rejoin {
+        /// The new instance id (the last segment of the discovery key).
+        instance_id: u64,
+    },
     /// End the process with this code. Always the last action.
     Exit(ExitReason),
 }

@@ -24,6 +24,21 @@ pub struct Config {
     pub router_grace: Duration,
     /// How long in-flight calls may take to finish once admission is closed.
     pub drain_timeout: Duration,
+    /// What follows the withdrawal and drain after an engine loss.
+    pub on_engine_loss: OnEngineLoss,
+}
+
+/// What the worker does once an engine loss has been withdrawn and drained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OnEngineLoss {
+    /// Exit 1: the supervisor restarts the worker (and, in a pod, the kubelet
+    /// has restarted the engine container already).
+    #[default]
+    Exit,
+    /// Wait for the engine again, as at start-up, and register anew under a
+    /// new instance id, in the same process: for supervisors that restart the
+    /// engine themselves and leave the sidecar running.
+    Rejoin,
 }
 
 impl Config {

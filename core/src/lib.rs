@@ -40,7 +40,7 @@ mod sync;
 mod time;
 
 pub use action::{Action, Admission, ExitReason, Health, Level};
-pub use config::Config;
+pub use config::{Config, OnEngineLoss};
 pub use event::{Event, LivenessObservation};
 pub use lifecycle::{Lifecycle, Phase};
 pub use loss::LossReason;

@@ -167,6 +167,11 @@ impl Lifecycle {
         self.machine.inner().identity.as_deref()
     }
 
+    /// This worker's instance id now (a new one after every rejoin).
+    pub fn instance_id(&self) -> u64 {
+        self.machine.inner().instance_id
+    }
+
     /// Calls in flight, as last reported.
     pub fn in_flight(&self) -> u64 {
         self.machine.inner().in_flight
@@ -226,9 +231,10 @@ impl Lifecycle {
             State::Lost {
                 reason,
                 drain_deadline,
+                signalled,
             } => {
                 3u8.hash(&mut h);
-                (reason, rel(*drain_deadline)).hash(&mut h);
+                (reason, rel(*drain_deadline), signalled).hash(&mut h);
             }
             State::Exited { cause } => {
                 4u8.hash(&mut h);
@@ -238,6 +244,9 @@ impl Lifecycle {
         let Worker {
             // Fixed for the machine's life: equal in every state it reaches.
             config: _,
+            // A name in lines and records; no decision reads it, and every
+            // rejoin makes a new one.
+            instance_id: _,
             startup_deadline,
             identity,
             engine_name,

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use statig::prelude::*;
 
 use crate::action::{Action, Admission, ExitReason, Health, Level};
-use crate::config::Config;
+use crate::config::{Config, OnEngineLoss};
 use crate::event::Event;
 use crate::liveness::{self, Verdict, WatchPhase};
 use crate::loss::LossReason;
@@ -166,6 +166,9 @@ pub(crate) struct Abort {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Worker {
     pub(crate) config: Config,
+    /// This worker's instance id: the configured one, then a new one at every
+    /// rejoin.
+    pub(crate) instance_id: u64,
     pub(crate) startup_deadline: Time,
     pub(crate) identity: Option<String>,
     /// How lines name the engine: the configured name until it is ready, then
@@ -192,6 +195,7 @@ pub(crate) struct Worker {
 impl Worker {
     pub(crate) fn new(config: Config, now: Time) -> Self {
         Worker {
+            instance_id: config.instance_id,
             startup_deadline: now + config.startup_deadline,
             engine_name: config.engine_display_name.clone(),
             config,
@@ -215,7 +219,40 @@ impl Worker {
     }
 
     fn instance(&self) -> String {
-        self.config.instance_hex()
+        format!("{:x}", self.instance_id)
+    }
+
+    fn rejoins(&self) -> bool {
+        self.config.on_engine_loss == OnEngineLoss::Rejoin
+    }
+
+    /// After a loss was withdrawn and drained: back to start-up as a new
+    /// instance. Only with the old record confirmed gone (`book.settled()`),
+    /// so two records of this worker never exist at once.
+    fn rejoin(&mut self, step: &mut Step) {
+        let old = self.instance();
+        self.instance_id = next_instance_id(self.instance_id);
+        self.startup_deadline = step.now + self.config.startup_deadline;
+        self.identity = None;
+        self.engine_name = self.config.engine_display_name.clone();
+        self.engine_instance = None;
+        self.liveness_service = String::new();
+        self.book = RecordBook::default();
+        self.retry_at = None;
+        self.watch = WatchPhase::AwaitingFirst;
+        self.probe_failing = false;
+        self.discovery_failing = false;
+        step.log(
+            Level::Info,
+            format!(
+                "instance {old} withdrawn and drained after the engine loss; waiting for the \
+                 engine again, to register as instance {} (--on-engine-loss rejoin)",
+                self.instance()
+            ),
+        );
+        step.emit(Action::Rejoin {
+            instance_id: self.instance_id,
+        });
     }
 
     /// The instance a loss line names: the engine's own where it has one.
@@ -577,7 +614,7 @@ impl Worker {
         let now = context.now;
         self.book_discovery(context, event);
         if let Some(reason) = self.observe_engine(context, event) {
-            return Transition(State::lost(reason, now + self.config.drain_timeout));
+            return Transition(State::lost(reason, now + self.config.drain_timeout, false));
         }
         let happened = match event {
             Input::Timer => {
@@ -696,22 +733,28 @@ impl Worker {
         }
     }
 
-    /// After an engine loss while Serving: withdrawn, admission closed, draining.
+    /// After an engine loss while Serving: withdrawn, admission closed,
+    /// draining; then the exit, or (rejoin, no signal since) start-up again.
+    /// `signalled`: a shutdown signal came during the drain.
     #[state(entry_action = "enter_lost")]
     fn lost(
         &mut self,
         context: &mut Step,
         reason: &LossReason,
         drain_deadline: &Time,
+        signalled: &mut bool,
         event: &Input,
     ) -> Outcome<State> {
         match event {
             Input::Event(Event::ShutdownSignal) => {
-                context.log(
-                    Level::Info,
+                let line = if self.rejoins() && !*signalled {
+                    "shutdown signal while draining after engine loss; exiting 1 after the \
+                     drain instead of waiting for the engine again"
+                } else {
                     "shutdown signal while draining after engine loss; exit code stays 1"
-                        .to_string(),
-                );
+                };
+                *signalled = true;
+                context.log(Level::Info, line.to_string());
                 return Handled;
             }
             Input::Timer
@@ -730,11 +773,25 @@ impl Worker {
                 | Event::InFlightChanged { .. },
             ) => {}
         }
-        if self.drain_step(context, *drain_deadline, event) {
-            Transition(State::exited(StopCause::EngineLost(reason.clone())))
-        } else {
-            Handled
+        if !self.drain_step(context, *drain_deadline, event) {
+            return Handled;
         }
+        if self.rejoins() && !*signalled {
+            if self.book.settled() {
+                self.rejoin(context);
+                return Transition(State::starting(None));
+            }
+            context.log(
+                Level::Warn,
+                format!(
+                    "not rejoining: the withdrawal of instance {} is unconfirmed, and a new \
+                     record beside a lingering one would send routers to a dead worker; \
+                     exiting 1",
+                    self.instance()
+                ),
+            );
+        }
+        Transition(State::exited(StopCause::EngineLost(reason.clone())))
     }
 
     /// The end. Absorbs every input.
@@ -807,9 +864,14 @@ impl Worker {
         context.log(
             Level::Info,
             format!(
-                "admission closed; draining {} calls in flight for up to {}, then exiting 1",
+                "admission closed; draining {} calls in flight for up to {}, then {}",
                 self.in_flight,
-                HumanDuration(*drain_deadline - now)
+                HumanDuration(*drain_deadline - now),
+                if self.rejoins() {
+                    "waiting for the engine again (--on-engine-loss rejoin)"
+                } else {
+                    "exiting 1"
+                }
             ),
         );
     }
@@ -898,6 +960,21 @@ impl Worker {
                 | Event::InFlightChanged { .. },
             ) => Handled,
         }
+    }
+}
+
+/// The next instance id after `id`: splitmix64's finaliser, a bijection on
+/// u64, so ids spread like the random first one and a rejoin never reuses the
+/// id it leaves.
+fn next_instance_id(id: u64) -> u64 {
+    let mut z = id.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    let next = z ^ (z >> 31);
+    if next == id {
+        next.wrapping_add(1)
+    } else {
+        next
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use llm_sidecar_core::{
     Action, Admission, Config, Event, ExitReason, Health, Level, Lifecycle, LivenessObservation,
-    Phase, Time,
+    OnEngineLoss, Phase, Time,
 };
 
 fn config() -> Config {
@@ -18,6 +18,7 @@ fn config() -> Config {
         stale_after: Duration::from_secs(30),
         router_grace: Duration::from_secs(5),
         drain_timeout: Duration::from_secs(20),
+        on_engine_loss: OnEngineLoss::Exit,
     }
 }
 
@@ -31,7 +32,11 @@ struct Driver {
 
 impl Driver {
     fn new() -> Self {
-        let mut lc = Lifecycle::new(config(), Time::ZERO);
+        Driver::with(config())
+    }
+
+    fn with(config: Config) -> Self {
+        let mut lc = Lifecycle::new(config, Time::ZERO);
         assert_eq!(lc.poll_action(), None);
         Driver { lc }
     }
@@ -126,6 +131,107 @@ fn liveness_not_serving_withdraws_at_once_and_exits_1_after_the_withdrawal() {
     assert_eq!(d.lc.phase(), Phase::Lost);
     let a = d.feed(secs(2), Event::Withdrawn);
     assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::EngineLost)]);
+}
+
+#[test]
+fn with_rejoin_a_withdrawn_and_drained_loss_starts_up_again_as_a_new_instance() {
+    let mut d = Driver::with(Config {
+        on_engine_loss: OnEngineLoss::Rejoin,
+        ..config()
+    });
+    d.serving();
+    let a = d.feed(secs(2), Event::Liveness(LivenessObservation::StreamEnded));
+    assert_eq!(d.lc.phase(), Phase::Lost);
+    assert!(
+        lines(&a, Level::Info)
+            .iter()
+            .any(|l| l.ends_with("then waiting for the engine again (--on-engine-loss rejoin)")),
+        "{a:?}"
+    );
+    let a = d.feed(secs(3), Event::Withdrawn);
+    let next = d.lc.instance_id();
+    assert_ne!(next, 0xabc);
+    assert_eq!(without_logs(&a), vec![Action::Rejoin { instance_id: next }]);
+    assert_eq!(
+        lines(&a, Level::Info).last().map(String::as_str),
+        Some(
+            format!(
+                "instance abc withdrawn and drained after the engine loss; waiting for the \
+                 engine again, to register as instance {next:x} (--on-engine-loss rejoin)"
+            )
+            .as_str()
+        )
+    );
+    assert_eq!(d.lc.phase(), Phase::Starting);
+    assert_eq!(d.lc.engine_identity(), None);
+    // Start-up again: its own deadline from now, the new id in the lines.
+    assert_eq!(d.lc.poll_timeout(), Some((secs(63), "startup deadline")));
+    let a = d.feed(
+        secs(10),
+        Event::EngineReady {
+            identity: "trtllm 1.0".into(),
+            name: "TensorRT-LLM".into(),
+            instance: None,
+            liveness_service: "liveness".into(),
+        },
+    );
+    assert_eq!(without_logs(&a), vec![Action::Register]);
+    d.feed(secs(10), Event::Registered);
+    assert_eq!(d.lc.phase(), Phase::Serving);
+    // The second loss names the second instance.
+    let a = d.feed(secs(11), Event::Liveness(LivenessObservation::Status(2)));
+    assert_eq!(
+        lines(&a, Level::Error),
+        vec![format!(
+            "TensorRT-LLM engine lost: liveness reported NOT_SERVING (instance {next:x})"
+        )]
+    );
+}
+
+#[test]
+fn with_rejoin_a_signal_during_the_drain_still_exits_1() {
+    let mut d = Driver::with(Config {
+        on_engine_loss: OnEngineLoss::Rejoin,
+        ..config()
+    });
+    d.serving();
+    d.feed(secs(2), Event::Liveness(LivenessObservation::StreamEnded));
+    d.feed(secs(2), Event::InFlightChanged { count: 1 });
+    let a = d.feed(secs(3), Event::ShutdownSignal);
+    assert_eq!(
+        lines(&a, Level::Info),
+        vec![
+            "shutdown signal while draining after engine loss; exiting 1 after the drain \
+             instead of waiting for the engine again"
+        ]
+    );
+    d.feed(secs(3), Event::Withdrawn);
+    let a = d.feed(secs(4), Event::InFlightChanged { count: 0 });
+    assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::EngineLost)]);
+}
+
+#[test]
+fn with_rejoin_an_unconfirmed_withdrawal_exits_1_rather_than_register_beside_it() {
+    let mut d = Driver::with(Config {
+        on_engine_loss: OnEngineLoss::Rejoin,
+        ..config()
+    });
+    d.serving();
+    d.feed(secs(2), Event::Liveness(LivenessObservation::StreamEnded));
+    d.feed(
+        secs(2),
+        Event::WithdrawFailed {
+            error: "etcd unreachable".into(),
+        },
+    );
+    let a = d.tick(secs(22));
+    assert!(
+        lines(&a, Level::Warn)
+            .iter()
+            .any(|l| l.starts_with("not rejoining: the withdrawal of instance abc is unconfirmed")),
+        "{a:?}"
+    );
+    assert_eq!(a.last(), Some(&Action::Exit(ExitReason::EngineLost)));
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
-use llm_sidecar_core::Config;
+use llm_sidecar_core::{Config, OnEngineLoss};
 use llm_sidecar_proptests::{AbstractEvent, Harness, Input};
 
 /// Durations the fuzzer may pick for each setting, zero included.
@@ -21,6 +21,11 @@ fn config(u: &mut Unstructured<'_>) -> arbitrary::Result<Config> {
         stale_after: duration(u, 60_000)?,
         router_grace: duration(u, 10_000)?,
         drain_timeout: duration(u, 30_000)?,
+        on_engine_loss: if bool::arbitrary(u)? {
+            OnEngineLoss::Rejoin
+        } else {
+            OnEngineLoss::Exit
+        },
     })
 }
 

@@ -155,6 +155,8 @@ pub struct RunConfig {
     pub tls: Option<ServerTls>,
     /// TLS towards etcd; `None`: plaintext.
     pub etcd_tls: Option<EtcdTls>,
+    /// After an engine loss is withdrawn and drained: exit 1, or rejoin.
+    pub on_engine_loss: llm_sidecar_core::OnEngineLoss,
 }
 
 #[cfg(test)]

@@ -159,6 +159,10 @@ struct Driver {
     /// Monitors report here (the other end is `inputs.events`).
     events: mpsc::Sender<Event>,
     discovery_ops: mpsc::UnboundedSender<DiscoveryOp>,
+    /// How to wait for the engine, kept for a rejoin's second start-up.
+    startup: engine::startup::StartupWait,
+    /// Where a start-up wait reports the engine ready (`inputs.ready`).
+    ready_tx: mpsc::Sender<EngineReady>,
 }
 
 impl Driver {
@@ -225,8 +229,8 @@ impl Driver {
             retry_interval: config.timings.retry_interval,
         };
         tokio::spawn(engine::startup::wait_for_engine(
-            wait,
-            ready_tx,
+            wait.clone(),
+            ready_tx.clone(),
             root.child_token(),
         ));
         let (events_tx, events) = mpsc::channel(256);
@@ -257,6 +261,8 @@ impl Driver {
             },
             events: events_tx,
             discovery_ops,
+            startup: wait,
+            ready_tx,
         })
     }
 
@@ -302,7 +308,8 @@ impl Driver {
                     Level::Warn => tracing::warn!("{message}"),
                     Level::Error => tracing::error!("{message}"),
                 },
-                Action::CancelInFlight => self.plane.cut.cancel(),
+                Action::CancelInFlight => self.plane.cut_all(),
+                Action::Rejoin { instance_id } => self.rejoin(instance_id),
                 Action::Exit(code) => return Some(code),
             }
         }
@@ -400,6 +407,31 @@ impl Driver {
             .liveness_service
             .clone()
             .unwrap_or_else(|| profile.liveness_service.to_string())
+    }
+
+    /// The core withdrew and drained a loss and waits for the engine again
+    /// (`--on-engine-loss rejoin`): forget the engine, take the new instance
+    /// id, run the start-up wait once more. The request plane's engine
+    /// connections reconnect by themselves; admission stays closed until the
+    /// core serves again.
+    fn rejoin(&mut self, instance_id: u64) {
+        self.instance_hex = format!("{instance_id:x}");
+        self.engine = None;
+        // A call cut at the drain deadline must not cut the next instance's.
+        self.plane.renew_cut();
+        let hex = self.instance_hex.clone();
+        self.status.update(|s| {
+            s.instance_id = hex;
+            s.engine_identity = None;
+            s.record_location = None;
+            s.liveness_status = None;
+            s.last_fresh_probe = None;
+        });
+        tokio::spawn(engine::startup::wait_for_engine(
+            self.startup.clone(),
+            self.ready_tx.clone(),
+            self.root.child_token(),
+        ));
     }
 
     /// Hands the worker's record to the discovery worker.
@@ -568,6 +600,7 @@ fn new_instance_id() -> u64 {
 fn core_config(config: &RunConfig, instance_id: u64) -> CoreConfig {
     let t = &config.timings;
     CoreConfig {
+        on_engine_loss: config.on_engine_loss,
         engine_display_name: config.engine.display_name().to_string(),
         instance_id,
         retry_interval: t.retry_interval,

@@ -7,9 +7,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use llm_sidecar_core::{ExitReason, Phase};
+use llm_sidecar_core::{Config, ExitReason, OnEngineLoss, Phase};
 
-use crate::{AbstractEvent, Harness};
+use crate::{AbstractEvent, Harness, test_config};
 
 /// How deep the derivation explores from the initial state.
 pub const DEPTH: usize = 7;
@@ -33,15 +33,33 @@ fn label(event: AbstractEvent, timer_reason: Option<&'static str>) -> String {
     }
 }
 
-/// Edges `(from, to) -> labels`, from exploring `DEPTH` steps.
+/// Edges `(from, to) -> labels` of both policies: those only
+/// `--on-engine-loss rejoin` has are labelled `[rejoin]`.
 pub fn edges() -> BTreeMap<(String, String), BTreeSet<String>> {
+    let mut all = edges_of(test_config());
+    let rejoin = edges_of(Config {
+        on_engine_loss: OnEngineLoss::Rejoin,
+        ..test_config()
+    });
+    for (edge, labels) in rejoin {
+        let known = all.get(&edge).cloned().unwrap_or_default();
+        let entry = all.entry(edge).or_default();
+        for label in labels.difference(&known) {
+            entry.insert(format!("{label} [rejoin]"));
+        }
+    }
+    all
+}
+
+/// Edges `(from, to) -> labels` under `config`, from exploring `DEPTH` steps.
+fn edges_of(config: Config) -> BTreeMap<(String, String), BTreeSet<String>> {
     let kinds: Vec<AbstractEvent> = AbstractEvent::ALL
         .into_iter()
         .filter(|e| !matches!(e, AbstractEvent::WaitShort | AbstractEvent::WaitLong))
         .collect();
     let mut edges: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
     let mut seen = HashSet::new();
-    let mut frontier = vec![Harness::default()];
+    let mut frontier = vec![Harness::new(config)];
     for _ in 0..DEPTH {
         let mut next = Vec::new();
         for h in &frontier {
@@ -79,7 +97,8 @@ pub fn render() -> String {
     out.push_str(
         "Generated from the machine's behaviour by `proptests/src/diagram.rs`: every state\n\
          reachable within a few steps is driven with every event kind, and each change of\n\
-         state is drawn with the events that caused it. Do not edit by hand; regenerate with\n\
+         state is drawn with the events that caused it; `[rejoin]` marks what only\n\
+         `--on-engine-loss rejoin` does. Do not edit by hand; regenerate with\n\
          `UPDATE_SNAPSHOTS=1 cargo test -p llm-sidecar-proptests --test diagram`.\n\n",
     );
     out.push_str("```mermaid\nstateDiagram-v2\n");

@@ -19,7 +19,7 @@ use std::time::Duration;
 use arbitrary::Arbitrary;
 use llm_sidecar_core::{
     Action, Admission, Config, Event, ExitReason, Health, Level, Lifecycle, LivenessObservation,
-    Phase, Time,
+    OnEngineLoss, Phase, Time,
 };
 
 pub mod diagram;
@@ -35,6 +35,7 @@ pub fn test_config() -> Config {
         stale_after: Duration::from_secs(30),
         router_grace: Duration::from_secs(5),
         drain_timeout: Duration::from_secs(20),
+        on_engine_loss: OnEngineLoss::Exit,
     }
 }
 
@@ -373,6 +374,8 @@ impl World {
             Action::StopMonitors => self.monitors = false,
             Action::Log { .. } => {}
             Action::CancelInFlight => self.in_flight = 0,
+            // The IO layer waits for the engine again, as at start-up.
+            Action::Rejoin { .. } => self.engine_announced = false,
             Action::Exit(_) => {
                 self.exited = true;
                 self.monitors = false;
@@ -446,6 +449,11 @@ pub struct Checker {
     liveness_first_seen: bool,
     liveness_unsupported: bool,
     liveness_warnings_in_serving: u32,
+    /// The startup deadline of the current instance, once a rejoin moved it
+    /// (`None`: the configured one, from time zero).
+    startup_deadline_at: Option<Time>,
+    /// A shutdown signal came after the loss: no rejoin may follow.
+    signalled_since_loss: bool,
 }
 
 fn violation<T>(invariant: u8, detail: impl Into<String>) -> Result<T, Violation> {
@@ -458,10 +466,12 @@ fn violation<T>(invariant: u8, detail: impl Into<String>) -> Result<T, Violation
 impl Checker {
     /// Checks one step: the machine went from `before` to `lc.phase()` on
     /// `input`, emitting `actions`; `world` is the world after performing them.
+    #[allow(clippy::too_many_arguments, reason = "one step's whole context")]
     pub fn check_step(
         &mut self,
         config: &Config,
         before: Phase,
+        before_instance: u64,
         input: &Input,
         actions: &[Action],
         lc: &Lifecycle,
@@ -495,6 +505,53 @@ impl Checker {
         if self.exits > 1 {
             return violation(1, "more than one exit action");
         }
+
+        // 9. A rejoin: only with the policy, only from Lost with no signal since
+        // the loss, only with the old record confirmed gone and admission
+        // closed, to Starting, under a new instance id. The history of the
+        // instance that ended is then closed; the next one starts afresh.
+        if matches!(event, Some(Event::ShutdownSignal)) && before == Phase::Lost {
+            self.signalled_since_loss = true;
+        }
+        let rejoined = actions.iter().find_map(|a| match a {
+            Action::Rejoin { instance_id } => Some(*instance_id),
+            _ => None,
+        });
+        if let Some(instance_id) = rejoined {
+            if config.on_engine_loss != OnEngineLoss::Rejoin {
+                return violation(9, "rejoin without --on-engine-loss rejoin");
+            }
+            if before != Phase::Lost || after != Phase::Starting {
+                return violation(9, format!("rejoin from {before:?} to {after:?}"));
+            }
+            if self.signalled_since_loss {
+                return violation(9, "rejoin after a shutdown signal");
+            }
+            if world.record || !world.ops.is_empty() {
+                return violation(
+                    9,
+                    format!(
+                        "rejoin with the old record unsettled (record {}, ops {:?})",
+                        world.record, world.ops
+                    ),
+                );
+            }
+            if world.admission != Admission::Closed || world.monitors {
+                return violation(9, "rejoin with admission open or monitors running");
+            }
+            if instance_id == before_instance || instance_id != lc.instance_id() {
+                return violation(
+                    9,
+                    format!("rejoin as {instance_id:x}, was {before_instance:x}"),
+                );
+            }
+            *self = Checker {
+                startup_deadline_at: Some(now + config.startup_deadline),
+                ..Checker::default()
+            };
+        } else if before == Phase::Lost && after == Phase::Starting {
+            return violation(9, "Lost became Starting without a rejoin");
+        }
         if matches!(after, Phase::Exited(_)) != (self.exits == 1) {
             return violation(
                 1,
@@ -504,10 +561,10 @@ impl Checker {
 
         // 4. Which decision came first. Deadlines are handled before the input,
         // so once the startup deadline has passed while Starting, nothing else can win.
-        if self.decided.is_none()
-            && before == Phase::Starting
-            && now >= Time::ZERO + config.startup_deadline
-        {
+        let startup_deadline = self
+            .startup_deadline_at
+            .unwrap_or(Time::ZERO + config.startup_deadline);
+        if self.decided.is_none() && before == Phase::Starting && now >= startup_deadline {
             if after == Phase::Serving {
                 return violation(4, "started serving after the startup deadline");
             }
@@ -570,6 +627,7 @@ impl Checker {
                 | Action::StopMonitors
                 | Action::Log { .. }
                 | Action::CancelInFlight
+                | Action::Rejoin { .. }
                 | Action::Exit(_) => {}
             }
         }
@@ -660,6 +718,16 @@ impl Checker {
             if world.admission != Admission::Closed {
                 return violation(5, "exit with admission open");
             }
+            // 9. With rejoin, a loss ends the process only after a signal, or
+            // when the old record could not be confirmed gone.
+            if *code == ExitReason::EngineLost
+                && config.on_engine_loss == OnEngineLoss::Rejoin
+                && !self.signalled_since_loss
+                && !world.record
+                && world.ops.is_empty()
+            {
+                return violation(9, "exit 1 where the policy is rejoin");
+            }
             let cancelled = actions.contains(&Action::CancelInFlight);
             if lc.in_flight() > 0 && !cancelled {
                 return violation(
@@ -713,6 +781,8 @@ impl Checker {
             liveness_first_seen,
             liveness_unsupported,
             liveness_warnings_in_serving,
+            startup_deadline_at,
+            signalled_since_loss,
         } = self;
         let exited = *exits > 0;
         (
@@ -726,6 +796,9 @@ impl Checker {
             liveness_unsupported,
             // Only "none", "one" and "more than one" are ever checked.
             (*liveness_warnings_in_serving).min(2),
+            // Only "passed or not" is ever read; a passed deadline stays passed.
+            startup_deadline_at.map(|t| rel(t).max(0)),
+            signalled_since_loss,
         )
             .hash(h);
     }
@@ -789,6 +862,7 @@ impl Harness {
             }
         }
         let before = self.lifecycle.phase();
+        let before_instance = self.lifecycle.instance_id();
         self.world.deliver(&input);
         match &input {
             Input::Event(at, e) => self.lifecycle.handle_event(*at, e.clone()),
@@ -802,6 +876,7 @@ impl Harness {
         self.checker.check_step(
             &self.config,
             before,
+            before_instance,
             &input,
             &actions,
             &self.lifecycle,

@@ -24,20 +24,21 @@ use std::collections::HashSet;
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use llm_sidecar_core::Config;
+use llm_sidecar_core::{Config, OnEngineLoss};
 use llm_sidecar_proptests::{AbstractEvent, Harness};
 
 /// The unit every setting and every wait is a whole number of.
 const TICK: Duration = Duration::from_millis(500);
 
 /// Production's order (retry < grace < drain < stale < startup), in ticks.
-fn config() -> Config {
+fn config(on_engine_loss: OnEngineLoss) -> Config {
     Config {
         retry_interval: 2 * TICK,
         router_grace: 3 * TICK,
         drain_timeout: 5 * TICK,
         stale_after: 7 * TICK,
         startup_deadline: 11 * TICK,
+        on_engine_loss,
         ..llm_sidecar_proptests::test_config()
     }
 }
@@ -50,7 +51,19 @@ const STATE_LIMIT: usize = 20_000_000;
 
 #[test]
 fn every_reachable_state_keeps_the_invariants() {
-    let mut start = Harness::new(config());
+    explore(OnEngineLoss::Exit);
+}
+
+/// The same with `--on-engine-loss rejoin`: a loss leads back to Starting, so
+/// every path after it is explored again from there (instance ids are names,
+/// left out of the fingerprint, so the space stays finite).
+#[test]
+fn every_reachable_state_keeps_the_invariants_with_rejoin() {
+    explore(OnEngineLoss::Rejoin);
+}
+
+fn explore(policy: OnEngineLoss) {
+    let mut start = Harness::new(config(policy));
     start.world.call_cap = CALL_CAP;
     start.world.waits = (TICK, 3 * TICK);
     let mut seen: HashSet<u64> = HashSet::new();
@@ -90,7 +103,7 @@ fn every_reachable_state_keeps_the_invariants() {
     let mut phases: Vec<_> = phases.into_iter().collect();
     phases.sort();
     println!(
-        "explorer: fixpoint reached: {} reachable states, {transitions} transitions, \
+        "explorer ({policy:?}): fixpoint reached: {} reachable states, {transitions} transitions, \
          longest shortest path {depth_reached} events, {} event kinds, at most {CALL_CAP} \
          calls in flight, tick {TICK:?}; phases reached: {phases:?}",
         seen.len(),

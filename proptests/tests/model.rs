@@ -8,12 +8,12 @@
 
 use std::time::Duration;
 
-use llm_sidecar_core::{Admission, Config, ExitReason, Phase};
+use llm_sidecar_core::{Admission, Config, ExitReason, OnEngineLoss, Phase};
 use llm_sidecar_proptests::{AbstractEvent as A, Harness};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 
-fn config() -> Config {
+fn config(rejoin: bool) -> Config {
     Config {
         engine_display_name: "TensorRT-LLM".into(),
         instance_id: 7,
@@ -22,6 +22,11 @@ fn config() -> Config {
         stale_after: Duration::from_secs(100),
         router_grace: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(20),
+        on_engine_loss: if rejoin {
+            OnEngineLoss::Rejoin
+        } else {
+            OnEngineLoss::Exit
+        },
     }
 }
 
@@ -51,6 +56,12 @@ struct Model {
     admission: bool,
     monitors: bool,
     in_flight: u64,
+    /// `--on-engine-loss rejoin`.
+    rejoin: bool,
+    /// A signal came while Lost: the drain ends in the exit, not a rejoin.
+    signalled: bool,
+    /// Rejoins so far.
+    rejoins: u32,
 }
 
 impl Model {
@@ -71,8 +82,26 @@ impl Model {
         }
     }
 
+    /// The end of a loss's drain: exit 1, or start-up again as a new
+    /// instance when the policy says so, no signal came and the old record is
+    /// confirmed gone.
+    fn end_loss(&mut self) {
+        if self.rejoin && !self.signalled && self.ops.is_empty() && !self.record {
+            self.phase = Phase::Starting;
+            self.announced = false;
+            self.abort = None;
+            self.retry = false;
+            self.watch = Watch::AwaitingFirst;
+            self.in_flight = 0;
+            self.rejoins += 1;
+        } else {
+            self.exit(ExitReason::EngineLost);
+        }
+    }
+
     fn lose(&mut self) {
         self.phase = Phase::Lost;
+        self.signalled = false;
         self.retry = false;
         self.ops.push(Op::Withdraw);
         self.admission = false;
@@ -98,7 +127,7 @@ impl Model {
             (Phase::Draining, _) if settled && !self.admission && self.in_flight == 0 => {
                 self.exit(ExitReason::Clean)
             }
-            (Phase::Lost, _) if settled && self.in_flight == 0 => self.exit(ExitReason::EngineLost),
+            (Phase::Lost, _) if settled && self.in_flight == 0 => self.end_loss(),
             _ => {}
         }
     }
@@ -161,19 +190,23 @@ impl ReferenceStateMachine for Reference {
     type Transition = A;
 
     fn init_state() -> BoxedStrategy<Model> {
-        Just(Model {
-            phase: Phase::Starting,
-            announced: false,
-            ops: vec![],
-            record: false,
-            abort: None,
-            retry: false,
-            watch: Watch::AwaitingFirst,
-            admission: false,
-            monitors: false,
-            in_flight: 0,
-        })
-        .boxed()
+        any::<bool>()
+            .prop_map(|rejoin| Model {
+                phase: Phase::Starting,
+                announced: false,
+                ops: vec![],
+                record: false,
+                abort: None,
+                retry: false,
+                watch: Watch::AwaitingFirst,
+                admission: false,
+                monitors: false,
+                in_flight: 0,
+                rejoin,
+                signalled: false,
+                rejoins: 0,
+            })
+            .boxed()
     }
 
     fn transitions(state: &Model) -> BoxedStrategy<A> {
@@ -320,7 +353,8 @@ impl ReferenceStateMachine for Reference {
                         m.ops.push(Op::Withdraw);
                     }
                 }
-                A::FireNextTimer => m.exit(ExitReason::EngineLost),
+                A::FireNextTimer => m.end_loss(),
+                A::Shutdown => m.signalled = true,
                 _ => {}
             },
             (Phase::Exited(_), _) => {}
@@ -343,14 +377,16 @@ struct Real;
 static STEPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static STEPS_BEFORE_EXIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static CASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Steps taken after at least one rejoin.
+static REJOINS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl StateMachineTest for Real {
     type SystemUnderTest = Harness;
     type Reference = Reference;
 
-    fn init_test(_: &Model) -> Harness {
+    fn init_test(model: &Model) -> Harness {
         CASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Harness::new(config())
+        Harness::new(config(model.rejoin))
     }
 
     fn apply(mut h: Harness, model: &Model, e: A) -> Harness {
@@ -379,6 +415,9 @@ impl StateMachineTest for Real {
         if !matches!(phase, Phase::Exited(_)) {
             assert_eq!(h.world.in_flight, model.in_flight, "in flight after {e:?}");
         }
+        if model.rejoins > 0 {
+            REJOINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         h
     }
 }
@@ -400,7 +439,9 @@ fn zz_report_the_model_run() {
     let cases = CASES.load(std::sync::atomic::Ordering::Relaxed);
     let steps = STEPS.load(std::sync::atomic::Ordering::Relaxed);
     let live = STEPS_BEFORE_EXIT.load(std::sync::atomic::Ordering::Relaxed);
+    let rejoined = REJOINS.load(std::sync::atomic::Ordering::Relaxed);
     println!(
-        "model: {cases} cases (including shrinking), {steps} steps, {live} of them before the exit"
+        "model: {cases} cases (including shrinking), {steps} steps, {live} of them before the \
+         exit, {rejoined} after a rejoin"
     );
 }

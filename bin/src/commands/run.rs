@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use llm_sidecar_core::OnEngineLoss;
 use llm_sidecar_io::discovery::DiscoveryUri;
 use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::tls::ServerTlsFiles;
@@ -94,6 +95,17 @@ pub struct RunArgs {
     /// Once admission is closed, in-flight calls may take this long; the rest are cut.
     #[arg(long, env = "SIDECAR_DRAIN_TIMEOUT", default_value = "20s", value_parser = duration)]
     pub drain_timeout: Duration,
+    /// After an engine loss (withdrawn, drained): `exit` 1 for the supervisor
+    /// to restart the sidecar, or `rejoin`: wait for the engine again and
+    /// register anew under a new instance id, in the same process, for
+    /// supervisors that restart the engine themselves.
+    #[arg(
+        long,
+        env = "SIDECAR_ON_ENGINE_LOSS",
+        value_enum,
+        default_value = "exit"
+    )]
+    pub on_engine_loss: OnEngineLossArg,
     /// TTL of the etcd lease behind the record (kept alive at TTL/3).
     #[arg(long, env = "SIDECAR_LEASE_TTL", default_value = "10s", value_parser = duration)]
     pub lease_ttl: Duration,
@@ -214,8 +226,21 @@ impl RunArgs {
                 _ => None,
             },
             etcd_tls: self.etcd_tls.load()?,
+            on_engine_loss: match self.on_engine_loss {
+                OnEngineLossArg::Exit => OnEngineLoss::Exit,
+                OnEngineLossArg::Rejoin => OnEngineLoss::Rejoin,
+            },
         })
     }
+}
+
+/// What follows an engine loss's withdrawal and drain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnEngineLossArg {
+    /// Exit 1; the supervisor restarts the sidecar.
+    Exit,
+    /// Wait for the engine again and register as a new instance.
+    Rejoin,
 }
 
 /// `llm-sidecar run`.

@@ -19,6 +19,7 @@ mod load;
 mod measure;
 mod perf;
 mod probe;
+mod rejoin;
 mod request_plane;
 mod security;
 mod termination;

@@ -33,6 +33,7 @@ pub(crate) struct EngineReady {
 }
 
 /// What the start-up wait needs to know.
+#[derive(Clone)]
 pub(crate) struct StartupWait {
     pub(crate) choice: EngineChoice,
     /// The grpc.health.v1 service to wait on for kinds that warm up (the

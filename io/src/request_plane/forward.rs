@@ -137,9 +137,10 @@ async fn forward(
             None => std::future::pending().await,
         }
     };
+    let cut = plane.cut_token();
     let response = tokio::select! {
         response = call => response,
-        () = plane.cut.cancelled() => {
+        () = cut.cancelled() => {
             guard.outcome = Some(CallOutcome::CutAtDeadline);
             return status_response(Code::Unavailable, CUT_MESSAGE);
         }
@@ -174,7 +175,7 @@ async fn forward(
             let body = ResponseBody {
                 inner: Some(body),
                 header_limit,
-                cut: Box::pin(plane.cut.clone().cancelled_owned()),
+                cut: Box::pin(cut.cancelled_owned()),
                 deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
                 limiter: MessageLimiter::new(plane.limits.max_message_bytes),
                 too_large,

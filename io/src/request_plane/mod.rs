@@ -126,8 +126,9 @@ pub(crate) struct Plane {
     pub(crate) gate: Gate,
     /// The sidecar's own health is SERVING.
     pub(crate) serving: AtomicBool,
-    /// Fires at the drain deadline: every call still in flight is cut.
-    pub(crate) cut: CancellationToken,
+    /// Fires at the drain deadline: every call still in flight is cut. A
+    /// rejoin puts a fresh one in its place (`renew_cut`).
+    cut: std::sync::Mutex<CancellationToken>,
     /// Woken when the last call leaves a closed gate.
     pub(crate) drained: Notify,
     pub(crate) counters: CallCounters,
@@ -143,12 +144,27 @@ pub(crate) struct Plane {
 }
 
 impl Plane {
+    /// What cuts a call admitted now: fires at this instance's drain deadline.
+    pub(crate) fn cut_token(&self) -> CancellationToken {
+        self.cut.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The drain deadline: cut every call in flight.
+    pub(crate) fn cut_all(&self) {
+        self.cut.lock().unwrap_or_else(|p| p.into_inner()).cancel();
+    }
+
+    /// A rejoin: calls admitted from now on are not cut by the last drain.
+    pub(crate) fn renew_cut(&self) {
+        *self.cut.lock().unwrap_or_else(|p| p.into_inner()) = CancellationToken::new();
+    }
+
     /// A closed request plane in front of `engine` (the core opens it).
     pub(crate) fn new(engine: EnginePool, health: &OwnHealth, limits: Limits) -> Self {
         Plane {
             gate: Gate::new(),
             serving: AtomicBool::new(false),
-            cut: CancellationToken::new(),
+            cut: std::sync::Mutex::new(CancellationToken::new()),
             drained: Notify::new(),
             counters: CallCounters::default(),
             engine,
