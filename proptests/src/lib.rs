@@ -4,7 +4,7 @@
 //!   order, calls that start only while admission is open, monitors that report
 //!   only while started. It turns an [`AbstractEvent`] into a concrete input, or
 //!   says the event cannot happen now.
-//! - [`Checker`]: the eight invariants of the lifecycle (docs/CONTRACT.md,
+//! - [`Checker`]: the nine invariants of the lifecycle (docs/CONTRACT.md,
 //!   "Invariants"), checked after every step.
 //! - [`Harness`]: a [`Lifecycle`] in a [`World`] watched by a [`Checker`].
 //!
