@@ -59,16 +59,23 @@ fn peak_rss_of(pids: &[u32]) -> u64 {
 }
 
 fn bench(target: SocketAddr, streams: usize, secs: u64) -> serde_json::Value {
-    let (streams, secs, connections) = (
+    bench_tokens(target, streams, secs, 256)
+}
+
+/// `llm-sidecar bench` against `target`: `streams` streams spread over one
+/// connection per 64 (as a router spreads them), `tokens` per call.
+fn bench_tokens(target: SocketAddr, streams: usize, secs: u64, tokens: u32) -> serde_json::Value {
+    let (streams, secs, connections, tokens) = (
         streams.to_string(),
         format!("{secs}s"),
         (streams / 64).max(1).to_string(),
+        tokens.to_string(),
     );
     let args = [
         "-c",
         &streams,
         "-n",
-        "256",
+        &tokens,
         "-d",
         &secs,
         "--connections",
@@ -274,6 +281,145 @@ fn proxy_cost_side_by_side() {
     println!("{report}");
     let _ = std::fs::write(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-proxy.md"),
+        &report,
+    );
+}
+
+/// The engine at a real engine's pace (`PACE_MS` per token, 20 by default:
+/// 50 tokens/s per stream), `PACE_TOKENS` (64) per call, at `PACE_STREAMS`
+/// ("64,512,2048") streams over one connection per 64: what the sidecar and
+/// nginx *add* to the first token and to each gap between tokens, and what
+/// each costs in CPU, against the engine direct, side by side in one run.
+#[test]
+#[ignore = "benchmark; run with --ignored --nocapture"]
+fn paced_latency_side_by_side() {
+    let pace_ms: u64 = env_or("PACE_MS", 20);
+    let tokens: u32 = env_or("PACE_TOKENS", 64);
+    let secs: u64 = env_or("PERF_SECS", 10);
+    let reps: usize = env_or("PERF_REPS", 3);
+    let streams: Vec<usize> = std::env::var("PACE_STREAMS")
+        .unwrap_or_else(|_| "64,512,2048".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let dir = TempDir::new("paced");
+    let delay = format!("{pace_ms}ms");
+    let mock = Mock::start(&dir.0, free_addr(), &["--token-delay", &delay]);
+    let threads = std::env::var("PERF_SIDECAR_THREADS").unwrap_or_default();
+    let sidecar_flags: Vec<&str> = if threads.is_empty() {
+        vec![]
+    } else {
+        vec!["--worker-threads", threads.as_str()]
+    };
+    let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
+    sidecar.wait_for_record(HANG);
+    let nginx = start_nginx(&dir.0, mock.grpc);
+    let mut targets: Vec<(&str, SocketAddr)> =
+        vec![("direct", mock.grpc), ("llm-sidecar", sidecar.listen)];
+    if let Some((_, addr)) = &nginx {
+        targets.push(("nginx", *addr));
+    }
+    let pids_of = |name: &str| -> Vec<u32> {
+        match name {
+            "llm-sidecar" => vec![sidecar.proc.pid()],
+            "nginx" => nginx
+                .as_ref()
+                .map(|(p, _)| children_of(p.pid()))
+                .unwrap_or_default(),
+            _ => vec![],
+        }
+    };
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "machine: {} cores; mock {pace_ms} ms per token, {tokens} tokens per call, one bench \
+         connection per 64 streams; {secs}s per run, median of {reps} runs; llm-sidecar {} \
+         thread(s), nginx 2 workers\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        if threads.is_empty() { "1" } else { &threads },
+    );
+    let _ = writeln!(
+        report,
+        "| streams | path | tokens/s | TTFT p50/p99 (ms) | added TTFT p50/p99 (ms) | ITL p50/p99 (ms) | added ITL p50/p99 (ms) | proxy CPU s per s | proxy CPU s per 1M msgs | errors |"
+    );
+    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|");
+    for &c in &streams {
+        // tokens/s, ttft p50, p99, itl p50, p99, cpu per s, cpu per 1M, errors
+        let mut rows: BTreeMap<&str, [Vec<f64>; 7]> = BTreeMap::new();
+        let mut errors: BTreeMap<&str, u64> = BTreeMap::new();
+        for _ in 0..reps {
+            for (name, addr) in &targets {
+                let pids = pids_of(name);
+                let cpu0 = cpu_seconds(&pids);
+                let started = Instant::now();
+                let r = bench_tokens(*addr, c, secs, tokens);
+                let wall = started.elapsed().as_secs_f64();
+                let cpu = cpu_seconds(&pids) - cpu0;
+                let msgs = r["calls_ok"].as_f64().unwrap_or(0.0) * f64::from(tokens + 2);
+                let e = rows.entry(name).or_default();
+                e[0].push(r["tokens_per_s"].as_f64().unwrap_or(0.0));
+                e[1].push(r["ttft"]["p50_us"].as_f64().unwrap_or(0.0) / 1000.0);
+                e[2].push(r["ttft"]["p99_us"].as_f64().unwrap_or(0.0) / 1000.0);
+                e[3].push(r["itl"]["p50_us"].as_f64().unwrap_or(0.0) / 1000.0);
+                e[4].push(r["itl"]["p99_us"].as_f64().unwrap_or(0.0) / 1000.0);
+                if !pids.is_empty() && msgs > 0.0 {
+                    e[5].push(cpu / wall);
+                    e[6].push(cpu / msgs * 1e6);
+                }
+                *errors.entry(name).or_default() += r["errors"]
+                    .as_object()
+                    .map_or(0, |m| m.values().filter_map(|v| v.as_u64()).sum());
+            }
+        }
+        let med = |name: &str, i: usize| rows.get(name).map_or(f64::NAN, |r| median(r[i].clone()));
+        for (name, _) in &targets {
+            let added = |i: usize| {
+                if *name == "direct" {
+                    "-".to_string()
+                } else {
+                    format!("{:+.2}", med(name, i) - med("direct", i))
+                }
+            };
+            let cpu = |i: usize| {
+                if rows[name][i].is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{:.3}", med(name, i))
+                }
+            };
+            let _ = writeln!(
+                report,
+                "| {c} | {name} | {:.0} | {:.2}/{:.2} | {}/{} | {:.2}/{:.2} | {}/{} | {} | {} | {} |",
+                med(name, 0),
+                med(name, 1),
+                med(name, 2),
+                added(1),
+                added(2),
+                med(name, 3),
+                med(name, 4),
+                added(3),
+                added(4),
+                cpu(5),
+                if rows[name][6].is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{:.2}", med(name, 6))
+                },
+                errors[name]
+            );
+        }
+    }
+    let _ = writeln!(
+        report,
+        "\nllm-sidecar peak RSS over the run: {:.1} MiB",
+        peak_rss_of(&[sidecar.proc.pid()]) as f64 / 1024.0
+    );
+    if nginx.is_none() {
+        let _ = writeln!(report, "\nnginx not installed: run scripts/bench.sh, which installs it");
+    }
+    println!("{report}");
+    let _ = std::fs::write(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-paced.md"),
         &report,
     );
 }

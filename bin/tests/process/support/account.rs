@@ -307,6 +307,10 @@ fn classify(code: Code, message: &str, requested_error: Option<&String>) -> Seen
             Seen::EngineFailed
         }
         Code::Unavailable if message.contains("connect") => Seen::NotSent,
+        // A new connection (after the GOAWAY) that the exiting sidecar's
+        // kernel accepted and then reset, before the TLS handshake: the call
+        // was never sent (the journal check below proves the engine never saw it).
+        Code::Unavailable if message.contains("Connection reset by peer") => Seen::NotSent,
         Code::Cancelled if message == "operation was canceled" => Seen::NotSent,
         _ if message == FAILED_BY_GOAWAY => Seen::GoAway,
         // The connection failed under the call as the sidecar exited (its
