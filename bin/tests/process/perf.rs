@@ -415,7 +415,10 @@ fn paced_latency_side_by_side() {
         peak_rss_of(&[sidecar.proc.pid()]) as f64 / 1024.0
     );
     if nginx.is_none() {
-        let _ = writeln!(report, "\nnginx not installed: run scripts/bench.sh, which installs it");
+        let _ = writeln!(
+            report,
+            "\nnginx not installed: run scripts/bench.sh, which installs it"
+        );
     }
     println!("{report}");
     let _ = std::fs::write(
