@@ -227,6 +227,7 @@ impl Driver {
             limit: stream_limit,
             attempt_bound: config.timings.connect_attempt_timeout,
             retry_interval: config.timings.retry_interval,
+            require_serving: false,
         };
         tokio::spawn(engine::startup::wait_for_engine(
             wait.clone(),
@@ -427,8 +428,12 @@ impl Driver {
             s.liveness_status = None;
             s.last_fresh_probe = None;
         });
+        let wait = engine::startup::StartupWait {
+            require_serving: true,
+            ..self.startup.clone()
+        };
         tokio::spawn(engine::startup::wait_for_engine(
-            self.startup.clone(),
+            wait,
             self.ready_tx.clone(),
             self.root.child_token(),
         ));

@@ -90,9 +90,17 @@ fn a_signal_while_waiting_for_the_engine_again_exits_0_and_one_during_the_drain_
         "waiting for the engine again, to register as instance",
         HANG,
     );
-    wait_until(HANG, "/state to show Starting", || {
-        sidecar.state()["state"] == "Starting"
-    });
+    // The engine still answers its API, but its health says NOT_SERVING: it
+    // is not back, and the sidecar waits rather than register it to lose it
+    // again at once.
+    sidecar.proc.wait_for_line(
+        "not serving again yet: its health service \"liveness\" reports NOT_SERVING",
+        HANG,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sidecar.state()["state"], "Starting");
+    assert!(sidecar.records().is_empty());
+    assert_eq!(sidecar.proc.count_lines("engine lost: "), 1, "no flapping");
     sidecar.proc.signal("TERM");
     assert_eq!(
         sidecar.proc.wait_exit(HANG),

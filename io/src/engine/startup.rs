@@ -47,6 +47,11 @@ pub(crate) struct StartupWait {
     /// Bound on one attempt's each step (connect, every start-up call).
     pub(crate) attempt_bound: Duration,
     pub(crate) retry_interval: Duration,
+    /// Wait for the liveness service to say SERVING whatever the kind: after
+    /// a loss (a rejoin), an engine that answers its API while its health
+    /// still says NOT_SERVING is not back yet, and registering it would only
+    /// lose it again at once.
+    pub(crate) require_serving: bool,
 }
 
 /// Why one attempt did not get the engine ready.
@@ -56,8 +61,12 @@ enum NotReady {
     Engine(#[from] EngineError),
     #[error("{}", none_served_message())]
     NoKnownApi,
-    #[error("warming up: its health service {service:?} reports {status}")]
-    WarmingUp { service: String, status: String },
+    #[error("{}: its health service {service:?} reports {status}", if *.rejoin { "not serving again yet" } else { "warming up" })]
+    WarmingUp {
+        service: String,
+        status: String,
+        rejoin: bool,
+    },
 }
 
 /// One attempt: connected, kind found, info read, warm-up over.
@@ -73,7 +82,7 @@ async fn attempt(wait: &StartupWait) -> Result<EngineReady, NotReady> {
     };
     let info = read_info(kind, &channel, wait.attempt_bound).await?;
     let profile = kind.profile();
-    if profile.warms_up {
+    if profile.warms_up || wait.require_serving {
         let service = wait
             .liveness_service
             .clone()
@@ -91,7 +100,11 @@ async fn attempt(wait: &StartupWait) -> Result<EngineReady, NotReady> {
             Ok(r) => {
                 let status = ServingStatus::try_from(r.status)
                     .map_or_else(|_| r.status.to_string(), |s| s.as_str_name().to_string());
-                return Err(NotReady::WarmingUp { service, status });
+                return Err(NotReady::WarmingUp {
+                    service,
+                    status,
+                    rejoin: wait.require_serving,
+                });
             }
             // No health service at all: nothing to wait for; the monitors
             // say so once.
