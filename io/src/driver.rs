@@ -186,10 +186,15 @@ impl Driver {
         let own_health = OwnHealth::new();
         let stream_limit = engine::StreamLimit::default();
         let pool = request_plane::EnginePool::new(
-            engine_endpoint.clone(),
+            &config.engine_endpoint,
+            config.timings.engine_channel(),
             stream_limit.clone(),
             config.limits.engine_connections as usize,
-        );
+        )
+        .map_err(|e| RunError::Engine {
+            address: config.engine_endpoint.clone(),
+            message: e.to_string(),
+        })?;
         let plane = Arc::new(Plane::new(pool, &own_health, config.limits));
         let instance_id = new_instance_id();
         let instance_hex = format!("{instance_id:x}");

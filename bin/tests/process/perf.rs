@@ -2,7 +2,10 @@
 //!
 //! `bash scripts/bench.sh` runs both (it installs nginx and builds release first).
 //! Alone: `cargo test --release -p llm-sidecar --test process perf:: -- --ignored --nocapture --test-threads 1`
-//! Knobs: PERF_SECS (5), PERF_REPS (3), PERF_STREAMS ("1,16,64,256"), DETECT_RUNS (20).
+//! Knobs: PERF_SECS (5), PERF_REPS (3), PERF_STREAMS ("1,16,64,256"), DETECT_RUNS (20);
+//! the paced run: PACE_MS (20), PACE_TOKENS (64), PACE_STREAMS ("64,512,2048");
+//! both: PERF_SIDECAR_THREADS, PERF_BASELINE_BIN (another llm-sidecar build
+//! measured beside this one, e.g. the commit before a change).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -185,6 +188,17 @@ fn proxy_cost_side_by_side() {
         ("direct", mock.grpc, vec![]),
         ("llm-sidecar", sidecar.listen, vec![sidecar.proc.pid()]),
     ];
+    // PERF_BASELINE_BIN: another build of llm-sidecar, measured as its own row.
+    let baseline = std::env::var("PERF_BASELINE_BIN").ok().map(|program| {
+        let base_dir = dir.0.join("baseline");
+        std::fs::create_dir_all(&base_dir).expect("baseline dir");
+        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &sidecar_flags);
+        b.wait_for_record(HANG);
+        b
+    });
+    if let Some(b) = &baseline {
+        targets.push(("llm-sidecar baseline", b.listen, vec![b.proc.pid()]));
+    }
     if let Some((p, addr)) = &nginx {
         targets.push(("nginx", *addr, children_of(p.pid())));
     }
@@ -239,6 +253,9 @@ fn proxy_cost_side_by_side() {
                 "llm-sidecar" => {
                     format!("{:.1}", peak_rss_of(&[sidecar.proc.pid()]) as f64 / 1024.0)
                 }
+                "llm-sidecar baseline" => baseline.as_ref().map_or("-".into(), |b| {
+                    format!("{:.1}", peak_rss_of(&[b.proc.pid()]) as f64 / 1024.0)
+                }),
                 "nginx" => nginx.as_ref().map_or("-".into(), |(p, _)| {
                     format!("{:.1}", peak_rss_of(&children_of(p.pid())) as f64 / 1024.0)
                 }),
@@ -314,14 +331,27 @@ fn paced_latency_side_by_side() {
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
     sidecar.wait_for_record(HANG);
     let nginx = start_nginx(&dir.0, mock.grpc);
+    // PERF_BASELINE_BIN: another build of llm-sidecar (say, before a change)
+    // measured in the same run, as its own row.
+    let baseline = std::env::var("PERF_BASELINE_BIN").ok().map(|program| {
+        let base_dir = dir.0.join("baseline");
+        std::fs::create_dir_all(&base_dir).expect("baseline dir");
+        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &sidecar_flags);
+        b.wait_for_record(HANG);
+        b
+    });
     let mut targets: Vec<(&str, SocketAddr)> =
         vec![("direct", mock.grpc), ("llm-sidecar", sidecar.listen)];
+    if let Some(b) = &baseline {
+        targets.push(("llm-sidecar baseline", b.listen));
+    }
     if let Some((_, addr)) = &nginx {
         targets.push(("nginx", *addr));
     }
     let pids_of = |name: &str| -> Vec<u32> {
         match name {
             "llm-sidecar" => vec![sidecar.proc.pid()],
+            "llm-sidecar baseline" => baseline.iter().map(|b| b.proc.pid()).collect(),
             "nginx" => nginx
                 .as_ref()
                 .map(|(p, _)| children_of(p.pid()))

@@ -122,13 +122,22 @@ impl Service<Uri> for EngineConnector {
                 .authority()
                 .map(|a| a.as_str().to_string())
                 .ok_or_else(|| io::Error::other(format!("no host:port in {uri}")))?;
-            let stream = TcpStream::connect(address).await?;
-            stream.set_nodelay(true)?;
-            let mut spy = SettingsSpy::new(stream, limit);
-            spy.watch = watch;
-            Ok(TokioIo::new(spy))
+            let mut spy = open(&address, limit).await?;
+            spy.inner_mut().watch = watch;
+            Ok(spy)
         })
     }
+}
+
+/// One TCP connection to the engine at `address` (`host:port`), no Nagle,
+/// its first SETTINGS frame read for the stream limit.
+pub(crate) async fn open(
+    address: &str,
+    limit: StreamLimit,
+) -> io::Result<TokioIo<SettingsSpy<TcpStream>>> {
+    let stream = TcpStream::connect(address).await?;
+    stream.set_nodelay(true)?;
+    Ok(TokioIo::new(SettingsSpy::new(stream, limit)))
 }
 
 /// Reads the server's frames until its first SETTINGS frame is complete,

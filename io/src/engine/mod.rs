@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
+pub(crate) use connector::open as open_connection;
 pub use connector::{ConnectionWatch, EngineConnector, StreamLimit};
 
 use crate::discovery::ModelRecord;

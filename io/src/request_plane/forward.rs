@@ -126,11 +126,7 @@ async fn forward(
         bytes: 0,
     };
     let request = http::Request::from_parts(parts, Body::new(request_body));
-    let mut engine = guard.lease.channel();
-    let call = async move {
-        std::future::poll_fn(|cx| engine.poll_ready(cx)).await?;
-        engine.call(request).await
-    };
+    let call = guard.lease.send(request);
     let until_deadline = async {
         match deadline {
             Some(at) => tokio::time::sleep_until(at).await,
@@ -192,7 +188,7 @@ async fn forward(
                 );
             }
             guard.outcome = Some(CallOutcome::EngineUnreachable);
-            let text = crate::report::error_chain(&e);
+            let text = crate::report::error_chain(e.as_ref());
             status_response(Code::Unavailable, &format!("engine unavailable: {text}"))
         }
     }
@@ -283,7 +279,7 @@ impl HttpBody for RequestBody {
 /// The engine's response stream on its way to the caller.
 struct ResponseBody {
     /// `None` once the call is over (the engine stream is dropped, i.e. reset).
-    inner: Option<Body>,
+    inner: Option<Incoming>,
     /// The largest trailers passed on to the caller.
     header_limit: u32,
     cut: Pin<Box<WaitForCancellationFutureOwned>>,
@@ -358,12 +354,12 @@ impl HttpBody for ResponseBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Some(Err(status)) => {
+            Some(Err(e)) => {
                 if this.too_large.raised() {
                     return this.end_too_large();
                 }
                 // The engine connection broke mid-call: retryable elsewhere.
-                let message = format!("engine stream failed: {}", status.message());
+                let message = format!("engine stream failed: {}", crate::report::error_chain(&e));
                 this.end_with(CallOutcome::EngineFailed, Code::Unavailable, &message)
             }
             None => {

@@ -397,13 +397,18 @@ impl Sidecar {
     }
 
     pub fn start(dir: &Path, engine: SocketAddr, extra: &[&str]) -> Self {
+        Sidecar::start_program(binary(), dir, engine, extra)
+    }
+
+    /// The same with another build of the sidecar (a benchmark's baseline).
+    pub fn start_program(program: &str, dir: &Path, engine: SocketAddr, extra: &[&str]) -> Self {
         let discovery = dir.join("discovery");
         for attempt in 0..5 {
             let admin = free_addr();
             let listen = free_addr();
             let args = run_args(engine, listen, admin, &discovery, extra);
             let log = dir.join(format!("sidecar-{}-{attempt}.log", admin.port()));
-            let mut proc = Proc::spawn(&args, log);
+            let mut proc = Proc::spawn_program(program, &args, log);
             // Ports come from `free_addr`, which another test may grab first: a
             // bind failure is retried on fresh ports; anything else is the test's.
             wait_until(
