@@ -25,18 +25,29 @@ pub fn init_logging(format: LogFormat) {
     }
 }
 
-/// The multi-threaded runtime, with `worker_threads` workers (tokio's default,
-/// one per core, when `None`). On failure the process exits [`EXIT_RUNTIME`]
+/// The runtime: current-thread for one worker, else multi-threaded with
+/// `worker_threads` workers (tokio's default, one per core, when `None`). On failure the process exits [`EXIT_RUNTIME`]
 /// with a line that says why.
 ///
 /// tokio reports some failures as an error and panics on others (the OS
 /// refusing a worker thread), so both are caught; the panic's own message is
 /// kept for the line instead of a backtrace.
 pub fn runtime(worker_threads: Option<u16>) -> tokio::runtime::Runtime {
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = worker_threads {
-        builder.worker_threads(usize::from(n));
-    }
+    let mut builder = match worker_threads {
+        // One thread: the current-thread scheduler. Its run queue is plain
+        // FIFO: a relay that wakes its connection's writer does not run that
+        // writer at once (the multi-thread scheduler's LIFO slot does), so
+        // every stream that got a token in this turn queues its frame first
+        // and the writer sends them in one write. docs/PERFORMANCE.md has the
+        // figures.
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(usize::from(n));
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let quiet = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

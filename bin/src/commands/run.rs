@@ -154,9 +154,10 @@ pub struct RunArgs {
     pub tls_client_ca: Option<PathBuf>,
     #[command(flatten)]
     pub etcd_tls: EtcdTlsArgs,
-    /// Threads of the async runtime. One is the default: the sidecar's work is
-    /// small beside the engine's, and one thread forwarded ~960k tokens/s in the
-    /// benchmark with the least CPU per message (docs/PERFORMANCE.md). Raise it
+    /// Threads of the async runtime. One is the default, on tokio's
+    /// current-thread scheduler: the sidecar's work is small beside the
+    /// engine's, and one thread had the least CPU per message and the lowest
+    /// added latency at 2,048 paced streams (docs/PERFORMANCE.md). Raise it
     /// only for call rates far beyond what an engine produces.
     #[arg(long, env = "SIDECAR_WORKER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: u16,

@@ -428,7 +428,16 @@ fn a_runtime_that_cannot_start_exits_71_not_1() {
     let dir = TempDir::new("runtime");
     let out = std::process::Command::new("prlimit")
         .args(["--nproc=1", "setpriv", "--reuid=65534", "--regid=65534"])
-        .args(["--clear-groups", binary(), "run", "--admin-listen"])
+        // Two workers: the multi-thread runtime, which starts its threads at
+        // once. (One worker is the current-thread scheduler: no thread to refuse.)
+        .args([
+            "--clear-groups",
+            binary(),
+            "run",
+            "--worker-threads",
+            "2",
+            "--admin-listen",
+        ])
         .arg(free_addr().to_string())
         .arg("--listen")
         .arg(free_addr().to_string())

@@ -5,7 +5,8 @@
 //! Knobs: PERF_SECS (5), PERF_REPS (3), PERF_STREAMS ("1,16,64,256"), DETECT_RUNS (20);
 //! the paced run: PACE_MS (20), PACE_TOKENS (64), PACE_STREAMS ("64,512,2048");
 //! both: PERF_SIDECAR_THREADS, PERF_BASELINE_BIN (another llm-sidecar build
-//! measured beside this one, e.g. the commit before a change).
+//! measured beside this one, e.g. the commit before a change, or the same
+//! binary) and PERF_BASELINE_THREADS (its --worker-threads).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -192,7 +193,12 @@ fn proxy_cost_side_by_side() {
     let baseline = std::env::var("PERF_BASELINE_BIN").ok().map(|program| {
         let base_dir = dir.0.join("baseline");
         std::fs::create_dir_all(&base_dir).expect("baseline dir");
-        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &sidecar_flags);
+        let threads = std::env::var("PERF_BASELINE_THREADS").ok();
+        let flags: Vec<&str> = match &threads {
+            Some(t) => vec!["--worker-threads", t.as_str()],
+            None => sidecar_flags.clone(),
+        };
+        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &flags);
         b.wait_for_record(HANG);
         b
     });
@@ -336,7 +342,12 @@ fn paced_latency_side_by_side() {
     let baseline = std::env::var("PERF_BASELINE_BIN").ok().map(|program| {
         let base_dir = dir.0.join("baseline");
         std::fs::create_dir_all(&base_dir).expect("baseline dir");
-        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &sidecar_flags);
+        let threads = std::env::var("PERF_BASELINE_THREADS").ok();
+        let flags: Vec<&str> = match &threads {
+            Some(t) => vec!["--worker-threads", t.as_str()],
+            None => sidecar_flags.clone(),
+        };
+        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &flags);
         b.wait_for_record(HANG);
         b
     });
