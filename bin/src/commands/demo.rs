@@ -265,10 +265,11 @@ fn demo(kind: EngineKind) -> Result<(), String> {
     }
     outln!();
     outln!(
-        "exit code {code} means the engine was lost. A supervisor restarts the worker: in Kubernetes\n\
-         the sidecar container exits, the pod restarts (restartPolicy: Always), the engine reloads its\n\
-         model, and the sidecar registers the new instance once it is ready. Exit 0 would mean a clean\n\
-         shutdown after SIGTERM; 3, a start-up that never completed; 2, bad flags."
+        "exit code {code} means the engine was lost. A supervisor restarts the worker: systemd\n\
+         restarts the unit (Restart=on-failure), the kubelet the container; the sidecar waits for the\n\
+         engine and registers a new instance once it serves. With --on-engine-loss rejoin (as in\n\
+         deploy/kubernetes/) it does that without exiting. Exit 0 would mean a clean shutdown after\n\
+         SIGTERM; 3, a start-up that never completed; 2, bad flags."
     );
     let _ = http_get(control, "/stop", HTTP_READ);
     if code != 1 {
