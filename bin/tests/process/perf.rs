@@ -149,6 +149,30 @@ fn start_nginx(dir: &std::path::Path, engine: SocketAddr) -> Option<(Nginx, Sock
     Some((proc, listen))
 }
 
+/// `--worker-threads <n>` when `threads` names a count, else nothing.
+fn threads_flags(threads: &str) -> Vec<&str> {
+    if threads.is_empty() {
+        vec![]
+    } else {
+        vec!["--worker-threads", threads]
+    }
+}
+
+/// `PERF_BASELINE_BIN`: another build of llm-sidecar (say, the commit before a
+/// change) in front of the same engine, measured in the same run as its own
+/// row; `PERF_BASELINE_THREADS` sets its --worker-threads (else `flags`).
+fn start_baseline(dir: &TempDir, engine: SocketAddr, flags: &[&str]) -> Option<Sidecar> {
+    let program = std::env::var("PERF_BASELINE_BIN").ok()?;
+    let base_dir = dir.0.join("baseline");
+    std::fs::create_dir_all(&base_dir).expect("baseline dir");
+    let threads = std::env::var("PERF_BASELINE_THREADS").unwrap_or_default();
+    let own = threads_flags(&threads);
+    let flags = if own.is_empty() { flags } else { &own };
+    let b = Sidecar::start_program(&program, &base_dir, engine, flags);
+    b.wait_for_record(HANG);
+    Some(b)
+}
+
 /// One path's runs at one concurrency: tokens/s, calls/s, TTFT p50/p99, ITL
 /// p50/p99, proxy CPU seconds per million messages, and the error count.
 #[derive(Default)]
@@ -176,11 +200,7 @@ fn proxy_cost_side_by_side() {
     let dir = TempDir::new("perf");
     let mock = Mock::start(&dir.0, free_addr(), &[]);
     let threads = std::env::var("PERF_SIDECAR_THREADS").unwrap_or_default();
-    let sidecar_flags: Vec<&str> = if threads.is_empty() {
-        vec![]
-    } else {
-        vec!["--worker-threads", threads.as_str()]
-    };
+    let sidecar_flags = threads_flags(&threads);
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
     sidecar.wait_for_record(HANG);
     let nginx = start_nginx(&dir.0, mock.grpc);
@@ -189,19 +209,7 @@ fn proxy_cost_side_by_side() {
         ("direct", mock.grpc, vec![]),
         ("llm-sidecar", sidecar.listen, vec![sidecar.proc.pid()]),
     ];
-    // PERF_BASELINE_BIN: another build of llm-sidecar, measured as its own row.
-    let baseline = std::env::var("PERF_BASELINE_BIN").ok().map(|program| {
-        let base_dir = dir.0.join("baseline");
-        std::fs::create_dir_all(&base_dir).expect("baseline dir");
-        let threads = std::env::var("PERF_BASELINE_THREADS").ok();
-        let flags: Vec<&str> = match &threads {
-            Some(t) => vec!["--worker-threads", t.as_str()],
-            None => sidecar_flags.clone(),
-        };
-        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &flags);
-        b.wait_for_record(HANG);
-        b
-    });
+    let baseline = start_baseline(&dir, mock.grpc, &sidecar_flags);
     if let Some(b) = &baseline {
         targets.push(("llm-sidecar baseline", b.listen, vec![b.proc.pid()]));
     }
@@ -329,28 +337,11 @@ fn paced_latency_side_by_side() {
     let delay = format!("{pace_ms}ms");
     let mock = Mock::start(&dir.0, free_addr(), &["--token-delay", &delay]);
     let threads = std::env::var("PERF_SIDECAR_THREADS").unwrap_or_default();
-    let sidecar_flags: Vec<&str> = if threads.is_empty() {
-        vec![]
-    } else {
-        vec!["--worker-threads", threads.as_str()]
-    };
+    let sidecar_flags = threads_flags(&threads);
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
     sidecar.wait_for_record(HANG);
     let nginx = start_nginx(&dir.0, mock.grpc);
-    // PERF_BASELINE_BIN: another build of llm-sidecar (say, before a change)
-    // measured in the same run, as its own row.
-    let baseline = std::env::var("PERF_BASELINE_BIN").ok().map(|program| {
-        let base_dir = dir.0.join("baseline");
-        std::fs::create_dir_all(&base_dir).expect("baseline dir");
-        let threads = std::env::var("PERF_BASELINE_THREADS").ok();
-        let flags: Vec<&str> = match &threads {
-            Some(t) => vec!["--worker-threads", t.as_str()],
-            None => sidecar_flags.clone(),
-        };
-        let b = Sidecar::start_program(&program, &base_dir, mock.grpc, &flags);
-        b.wait_for_record(HANG);
-        b
-    });
+    let baseline = start_baseline(&dir, mock.grpc, &sidecar_flags);
     let mut targets: Vec<(&str, SocketAddr)> =
         vec![("direct", mock.grpc), ("llm-sidecar", sidecar.listen)];
     if let Some(b) = &baseline {

@@ -30,6 +30,35 @@ fn router_traffic(prefix: &str) -> Shape {
     }
 }
 
+/// A journaled engine and a serving sidecar (router grace 1 s, drain 10 s)
+/// with the router's traffic running through it.
+struct Pod {
+    dir: TempDir,
+    engine: Mock,
+    journal: std::path::PathBuf,
+    sidecar: Sidecar,
+    load: Load,
+}
+
+fn pod_under_load(name: &str) -> Pod {
+    let dir = TempDir::new(&format!("term-{name}"));
+    let (engine, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);
+    let sidecar = Sidecar::start(
+        &dir.0,
+        engine.grpc,
+        &["--router-grace", "1s", "--drain-timeout", "10s"],
+    );
+    sidecar.wait_serving();
+    let load = Load::start(sidecar.listen, router_traffic(name));
+    Pod {
+        dir,
+        engine,
+        journal,
+        sidecar,
+        load,
+    }
+}
+
 /// The router's side: stop starting calls once the record is gone.
 fn stop_at_withdrawal(sidecar: &Sidecar, load: Load) -> Ledger {
     wait_until(HANG, "the worker to leave discovery", || {
@@ -40,15 +69,13 @@ fn stop_at_withdrawal(sidecar: &Sidecar, load: Load) -> Ledger {
 
 #[test]
 fn kubelet_order_sidecar_then_engine_fails_no_call() {
-    let dir = TempDir::new("term-kubelet");
-    let (mut mock, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);
-    let mut sidecar = Sidecar::start(
-        &dir.0,
-        mock.grpc,
-        &["--router-grace", "1s", "--drain-timeout", "10s"],
-    );
-    sidecar.wait_serving();
-    let load = Load::start(sidecar.listen, router_traffic("kubelet"));
+    let Pod {
+        dir: _dir,
+        engine: mut mock,
+        journal,
+        mut sidecar,
+        load,
+    } = pod_under_load("kubelet");
     std::thread::sleep(Duration::from_millis(800));
 
     sidecar.proc.signal("TERM");
@@ -79,15 +106,13 @@ fn kubelet_order_sidecar_then_engine_fails_no_call() {
 
 #[test]
 fn both_signalled_at_once_exit_0_but_the_engine_cuts_long_calls() {
-    let dir = TempDir::new("term-together");
-    let (mut mock, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);
-    let mut sidecar = Sidecar::start(
-        &dir.0,
-        mock.grpc,
-        &["--router-grace", "1s", "--drain-timeout", "10s"],
-    );
-    sidecar.wait_serving();
-    let short = Load::start(sidecar.listen, router_traffic("together"));
+    let Pod {
+        dir: _dir,
+        engine: mut mock,
+        journal,
+        mut sidecar,
+        load: short,
+    } = pod_under_load("together");
     let long = Load::start(sidecar.listen, Shape::long("together-long"));
     std::thread::sleep(Duration::from_millis(800));
 
@@ -114,15 +139,13 @@ fn both_signalled_at_once_exit_0_but_the_engine_cuts_long_calls() {
 
 #[test]
 fn engine_stopped_first_is_a_loss_exit_1_and_no_call_unexplained() {
-    let dir = TempDir::new("term-engine-first");
-    let (mut mock, journal) = Mock::start_journaled(&dir.0, free_addr(), &[]);
-    let mut sidecar = Sidecar::start(
-        &dir.0,
-        mock.grpc,
-        &["--router-grace", "1s", "--drain-timeout", "10s"],
-    );
-    sidecar.wait_serving();
-    let load = Load::start(sidecar.listen, router_traffic("engine-first"));
+    let Pod {
+        dir: _dir,
+        engine: mut mock,
+        journal,
+        mut sidecar,
+        load,
+    } = pod_under_load("engine-first");
     std::thread::sleep(Duration::from_millis(800));
 
     mock.proc.signal("TERM");

@@ -39,6 +39,7 @@ struct Target {
 }
 
 /// One engine connection and the calls on it.
+#[derive(Default)]
 struct Pooled {
     /// The open connection; `None` before the first call and after it closed.
     /// An async lock: the first of many calls opens it, the others wait.
@@ -200,14 +201,5 @@ impl EnginePool {
             .limit
             .get()
             .map(|limit| u64::from(limit) * self.max_connections as u64)
-    }
-}
-
-impl Default for Pooled {
-    fn default() -> Self {
-        Pooled {
-            sender: tokio::sync::Mutex::new(None),
-            open: AtomicU32::new(0),
-        }
     }
 }
