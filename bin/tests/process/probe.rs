@@ -128,3 +128,27 @@ fn bad_probe_flags_exit_2_before_contacting_anything() {
         );
     }
 }
+
+#[test]
+fn copy_binary_puts_a_runnable_probe_into_a_shared_directory() {
+    let dir = TempDir::new("copy-binary");
+    let shared = dir.0.join("shared");
+    std::fs::create_dir_all(&shared).expect("shared dir");
+    let out = Command::new(binary())
+        .args(["copy-binary", &shared.display().to_string()])
+        .output()
+        .expect("run copy-binary");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let copy = shared.join("llm-sidecar");
+    let mock = Mock::start(&dir.0, free_addr(), &["--kind", "vllm"]);
+    let probed = Command::new(&copy)
+        .args(["probe", "--engine", &mock.grpc.to_string(), "-q"])
+        .status()
+        .expect("the copy runs");
+    assert_eq!(probed.code(), Some(0), "the copy probes like the original");
+    let missing = Command::new(binary())
+        .args(["copy-binary", &dir.0.join("nowhere").display().to_string()])
+        .output()
+        .expect("run copy-binary");
+    assert_eq!(missing.status.code(), Some(2), "{missing:?}");
+}
