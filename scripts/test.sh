@@ -18,6 +18,10 @@ command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 # with podman (or buildah).
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 command -v podman >/dev/null 2>&1 || command -v buildah >/dev/null 2>&1 || need_apt+=(podman buildah)
+# llm-sidecar-dynamo builds Dynamo's crates: etcd-client's build script needs
+# protoc, nixl-sys's bindgen needs libclang.
+command -v protoc >/dev/null 2>&1 || [ -n "${PROTOC:-}" ] || need_apt+=(protobuf-compiler)
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || [ -n "${LIBCLANG_PATH:-}" ] || need_apt+=(libclang-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing ${need_apt[*]}"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
@@ -35,6 +39,18 @@ fi
 if ! python3 -c "import kubernetes_validate, yaml" 2>/dev/null; then
   log "installing kubernetes-validate (pip)"
   python3 -m pip install --quiet kubernetes-validate pyyaml
+fi
+
+# Dynamo's frontend for llm-sidecar-dynamo's tests (dynamo/tests/frontend),
+# as docs/DYNAMO.md installs it: the runtime wheel, the Python entry points
+# without their GPU dependencies, and the three modules those entry points import.
+dynamo_venv=target/dynamo-venv
+if ! "$dynamo_venv/bin/python" -c 'import dynamo.frontend' 2>/dev/null; then
+  log "installing Dynamo 1.6.1's frontend into $dynamo_venv (pip)"
+  python3 -m venv "$dynamo_venv"
+  "$dynamo_venv/bin/pip" install --quiet ai-dynamo-runtime==1.6.1
+  "$dynamo_venv/bin/pip" install --quiet --no-deps ai-dynamo==1.6.1
+  "$dynamo_venv/bin/pip" install --quiet packaging pyyaml msgspec
 fi
 
 log "cargo fmt --check"

@@ -4,6 +4,10 @@
 //! that the mock engine serves) are defined; the request plane never decodes
 //! messages, it forwards bytes.
 
+/// The well-known types the APIs use (OpenEngine's `extra` is a
+/// `google.protobuf.Struct`), so users need no dependency of their own.
+pub use prost_types;
+
 /// TensorRT-LLM's `trtllm.TrtllmService` (subset), the API the SMG gateway speaks.
 pub mod trtllm {
     #![allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -37,7 +37,7 @@ use crate::discovery::{
 use crate::engine::startup::EngineReady;
 use crate::engine::{self, EngineInfo, EngineProfile, Following};
 use crate::exit_bounds::CONNECTIONS_CLOSE;
-use crate::request_plane::{self, OwnHealth, Plane};
+use crate::request_plane::{self, HostedCalls, OwnHealth, Plane};
 
 /// Why `run` could not start. The process exits 2: nothing was contacted.
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +73,7 @@ pub async fn run(
     match config.discovery.clone() {
         DiscoveryUri::File(dir) => {
             let discovery = Arc::new(FileDiscovery::new(dir, config.timings.retry_interval));
-            Ok(Driver::start(config, discovery, shutdown)
+            Ok(start(config, discovery, Front::Proxy, shutdown)
                 .await?
                 .drive()
                 .await)
@@ -89,12 +89,63 @@ pub async fn run(
                 uri: config.discovery.to_string(),
                 message: e.to_string(),
             })?;
-            Ok(Driver::start(config, Arc::new(etcd), shutdown)
+            Ok(start(config, Arc::new(etcd), Front::Proxy, shutdown)
                 .await?
                 .drive()
                 .await)
         }
     }
+}
+
+/// Where the worker's calls arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Front {
+    /// The gRPC proxy on `--listen` (`llm-sidecar run`).
+    Proxy,
+    /// Another system's request plane (Dynamo's, in `llm-sidecar-dynamo`):
+    /// nothing is bound for calls here, and the caller admits its calls
+    /// through [`Started::calls`]. The instance id is that system's (Dynamo's
+    /// connection id), so the sidecar's log lines and the other system's
+    /// records name the worker alike. Such a worker cannot take a new id, so
+    /// `--on-engine-loss rejoin` is for [`Front::Proxy`] only.
+    Hosted {
+        /// The worker's instance id in the other system.
+        instance_id: u64,
+    },
+}
+
+/// A sidecar whose listeners are bound and tasks started, before its loop runs.
+pub struct Started {
+    driver: Driver,
+}
+
+impl Started {
+    /// Admission for calls arriving on a [`Front::Hosted`] request plane: the
+    /// same gate, drain-deadline cut and call account as the proxy's.
+    pub fn calls(&self) -> HostedCalls {
+        HostedCalls {
+            plane: self.driver.plane.clone(),
+        }
+    }
+
+    /// Runs the loop until the core decides to exit; returns the exit reason.
+    pub async fn drive(self) -> ExitReason {
+        self.driver.drive().await
+    }
+}
+
+/// Binds the listeners (the admin port; the request plane for
+/// [`Front::Proxy`]) and starts every task with `discovery` as the registry;
+/// nothing is decided until [`Started::drive`].
+pub async fn start<D: Discovery>(
+    config: RunConfig,
+    discovery: Arc<D>,
+    front: Front,
+    shutdown: mpsc::UnboundedReceiver<()>,
+) -> Result<Started, RunError> {
+    Ok(Started {
+        driver: Driver::start(config, discovery, front, shutdown).await?,
+    })
 }
 
 /// One input for the core, as the driver received it.
@@ -170,12 +221,16 @@ impl Driver {
     async fn start<D: Discovery>(
         mut config: RunConfig,
         discovery: Arc<D>,
+        front: Front,
         shutdown: mpsc::UnboundedReceiver<()>,
     ) -> Result<Driver, RunError> {
         config.limits.max_connections =
             crate::net::room_for_connections(config.limits.max_connections);
         let admin_listener = crate::net::bind("admin", config.admin_listen).await?;
-        let listener = crate::net::bind("request plane", config.listen).await?;
+        let listener = match front {
+            Front::Proxy => Some(crate::net::bind("request plane", config.listen).await?),
+            Front::Hosted { .. } => None,
+        };
         let engine_endpoint =
             engine::endpoint(&config.engine_endpoint, config.timings.engine_channel()).map_err(
                 |e| RunError::Engine {
@@ -196,7 +251,10 @@ impl Driver {
             message: e.to_string(),
         })?;
         let plane = Arc::new(Plane::new(pool, &own_health, config.limits));
-        let instance_id = new_instance_id();
+        let instance_id = match front {
+            Front::Proxy => new_instance_id(),
+            Front::Hosted { instance_id } => instance_id,
+        };
         let instance_hex = format!("{instance_id:x}");
         let clock = Clock {
             origin: tokio::time::Instant::now(),
@@ -216,13 +274,15 @@ impl Driver {
             admin::routes::handler(status.clone(), plane.clone()),
             root.child_token(),
         ));
-        tokio::spawn(request_plane::serve(
-            listener,
-            config.tls.clone(),
-            plane.clone(),
-            root.child_token(),
-            connections.clone(),
-        ));
+        if let Some(listener) = listener {
+            tokio::spawn(request_plane::serve(
+                listener,
+                config.tls.clone(),
+                plane.clone(),
+                root.child_token(),
+                connections.clone(),
+            ));
+        }
         let (ready_tx, ready) = mpsc::channel(1);
         let wait = engine::startup::StartupWait {
             choice: config.engine,
@@ -246,7 +306,7 @@ impl Driver {
             config.timings.connect_attempt_timeout,
             status.clone(),
         );
-        log_start(&config, &instance_hex);
+        log_start(&config, front, &instance_hex);
         Ok(Driver {
             config,
             lifecycle,
@@ -554,15 +614,16 @@ fn spawn_discovery_worker<D: Discovery>(
 }
 
 /// The first line: who this is, what it waits for, where everything is.
-fn log_start(config: &RunConfig, instance_hex: &str) {
+fn log_start(config: &RunConfig, front: Front, instance_hex: &str) {
     tracing::info!(
         engine = %config.engine_endpoint,
         discovery = %config.discovery,
         admin = %config.admin_listen,
-        request_plane = match &config.tls {
-            None => "h2 plaintext",
-            Some(t) if t.mutual => "h2 over TLS, client certificates required",
-            Some(_) => "h2 over TLS",
+        request_plane = match (front, &config.tls) {
+            (Front::Hosted { .. }, _) => "hosted (another system's request plane)",
+            (Front::Proxy, None) => "h2 plaintext",
+            (Front::Proxy, Some(t)) if t.mutual => "h2 over TLS, client certificates required",
+            (Front::Proxy, Some(_)) => "h2 over TLS",
         },
         "llm-sidecar starting: instance {instance_hex}, waiting for the {}engine at {}",
         match config.engine.display_name() {

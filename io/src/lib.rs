@@ -21,11 +21,12 @@ mod exit_bounds;
 mod h2_frames;
 pub mod net;
 pub mod parse;
+pub mod process;
 pub mod report;
 pub mod request_plane;
 pub mod timefmt;
 pub mod tls;
 
 pub use config::{RunConfig, Timings};
-pub use driver::{RunError, run};
+pub use driver::{Front, RunError, Started, run, start};
 pub use parse::{ConfigError, parse_duration, parse_host_port, parse_key_segment};

@@ -72,8 +72,9 @@ pub async fn generate(
                 )),
                 stopping: Some(openengine::StoppingOptions {
                     max_tokens: Some(max_tokens),
+                    ..Default::default()
                 }),
-                model: String::new(),
+                ..Default::default()
             };
             let stream = openengine::inference_client::InferenceClient::new(channel)
                 .max_decoding_message_size(MAX_MESSAGE)

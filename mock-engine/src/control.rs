@@ -133,6 +133,8 @@ fn route(state: &State, req: &Request) -> Response {
                 "instance_id": state.instance_id,
                 "seen_ids": *lock(&state.seen_ids),
                 "cancelled_ids": *lock(&state.cancelled_ids),
+                "asked": *lock(&state.asked),
+                "aborted_ids": *lock(&state.aborted_ids),
             });
             Response::json(200, json.to_string() + "\n")
         }

@@ -148,6 +148,12 @@ pub(crate) struct State {
     /// The open journal file (append mode), if the mock keeps one.
     pub(crate) journal: Mutex<Option<std::fs::File>>,
     pub(crate) cancelled_ids: Mutex<Vec<String>>,
+    /// What each OpenEngine Generate asked for (request id, prompt token ids,
+    /// stopping options, `extra`), in arrival order: what a front end that
+    /// translates requests (llm-sidecar-dynamo) really sent.
+    pub(crate) asked: Mutex<Vec<serde_json::Value>>,
+    /// Request ids named by OpenEngine `Control.Abort`, in arrival order.
+    pub(crate) aborted_ids: Mutex<Vec<String>>,
     /// Fires when every open call must end (after a graceful stop's grace).
     pub(crate) cancel_calls: CancellationToken,
     /// Fires when the control endpoint asks for a graceful stop.
@@ -303,6 +309,8 @@ pub async fn run(
         seen_ids: Mutex::new(Vec::new()),
         journal: Mutex::new(journal),
         cancelled_ids: Mutex::new(Vec::new()),
+        asked: Mutex::new(Vec::new()),
+        aborted_ids: Mutex::new(Vec::new()),
         cancel_calls: CancellationToken::new(),
         stop_requested: stop_tx,
         hold_watch: watch::channel(config.hold_watch).0,

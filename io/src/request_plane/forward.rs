@@ -18,6 +18,7 @@ use tonic::body::Body;
 use tonic::codegen::Service;
 
 use super::Plane;
+use super::admitted::Admitted;
 use super::engine_pool::Lease;
 use super::framing::{
     MessageLimiter, PREFIX_LEN, grpc_timeout, header_list_size, too_large_headers_message,
@@ -54,16 +55,19 @@ pub(crate) async fn handle(
             Err(never) => match never {},
         });
     }
-    if (plane.health_rpc_path.get() == Some(&path) && !plane.serving.load(Ordering::Acquire))
-        || !plane.gate.try_enter()
-    {
+    let admitted =
+        if plane.health_rpc_path.get() == Some(&path) && !plane.serving.load(Ordering::Acquire) {
+            plane.counters.record(CallOutcome::Refused);
+            None
+        } else {
+            Admitted::try_new(&plane)
+        };
+    let Some(call) = admitted else {
         return Ok(refuse(&plane, req.into_body()).await);
-    }
-    plane.counters.admitted.fetch_add(1, Ordering::Relaxed);
+    };
     let guard = InFlight {
         lease: plane.engine.lease(),
-        plane: plane.clone(),
-        outcome: None,
+        call,
         bytes: 0,
     };
     Ok(forward(plane, req, guard).await)
@@ -78,7 +82,6 @@ pub(crate) async fn handle(
 /// worker reaches that in seconds). A request that does not end within a short
 /// wait, or grows past the message limit, is answered anyway.
 async fn refuse(plane: &Plane, mut body: Incoming) -> http::Response<Body> {
-    plane.counters.record(CallOutcome::Refused);
     let limit = u64::from(plane.limits.max_message_bytes) + PREFIX_LEN as u64;
     let read_to_end = async {
         let mut read: u64 = 0;
@@ -137,11 +140,11 @@ async fn forward(
     let response = tokio::select! {
         response = call => response,
         () = cut.cancelled() => {
-            guard.outcome = Some(CallOutcome::CutAtDeadline);
+            guard.call.set_outcome(CallOutcome::CutAtDeadline);
             return status_response(Code::Unavailable, CUT_MESSAGE);
         }
         () = until_deadline => {
-            guard.outcome = Some(CallOutcome::DeadlineExceeded);
+            guard.call.set_outcome(CallOutcome::DeadlineExceeded);
             return status_response(Code::DeadlineExceeded, DEADLINE_MESSAGE);
         }
     };
@@ -152,7 +155,7 @@ async fn forward(
             if header_list_size(&parts.headers) > header_limit as usize {
                 // Passed on, these headers would make the caller's HTTP/2 stack
                 // fail its whole connection; this call fails alone instead.
-                guard.outcome = Some(CallOutcome::TooLarge);
+                guard.call.set_outcome(CallOutcome::TooLarge);
                 return status_response(
                     Code::ResourceExhausted,
                     &too_large_headers_message(header_limit),
@@ -163,7 +166,7 @@ async fn forward(
                 // the caller's stream ends with them too (HEADERS with
                 // END_STREAM). An empty DATA frame after them is what gRPC
                 // clients built on C-core reject.
-                guard.outcome = Some(CallOutcome::of_engine_status(
+                guard.call.set_outcome(CallOutcome::of_engine_status(
                     parts.headers.get("grpc-status"),
                 ));
                 return http::Response::from_parts(parts, Body::empty());
@@ -181,13 +184,13 @@ async fn forward(
         }
         Err(e) => {
             if too_large.raised() {
-                guard.outcome = Some(CallOutcome::TooLarge);
+                guard.call.set_outcome(CallOutcome::TooLarge);
                 return status_response(
                     Code::ResourceExhausted,
                     &too_large_message(plane.limits.max_message_bytes),
                 );
             }
-            guard.outcome = Some(CallOutcome::EngineUnreachable);
+            guard.call.set_outcome(CallOutcome::EngineUnreachable);
             let text = crate::report::error_chain(e.as_ref());
             status_response(Code::Unavailable, &format!("engine unavailable: {text}"))
         }
@@ -200,23 +203,20 @@ async fn forward(
 struct InFlight {
     /// The engine connection the call runs on.
     lease: Lease,
-    plane: Arc<Plane>,
-    /// How the call ended; `None` when it is dropped half-way, i.e. the caller left.
-    outcome: Option<CallOutcome>,
+    /// The gate's side: dropped after `Drop for InFlight` ran, so the bytes
+    /// are counted before the call leaves the gate.
+    call: Admitted,
     /// Response bytes forwarded, added to the shared counter once, at the end.
     bytes: u64,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let counters = &self.plane.counters;
-        counters
+        self.call
+            .plane()
+            .counters
             .bytes_to_caller
             .fetch_add(self.bytes, Ordering::Relaxed);
-        counters.record(self.outcome.unwrap_or(CallOutcome::CancelledByCaller));
-        if self.plane.gate.leave().drained {
-            self.plane.drained.notify_one();
-        }
     }
 }
 
@@ -295,7 +295,7 @@ impl ResponseBody {
     /// Ends the call with a status in the trailers, dropping the engine stream.
     fn end_with(&mut self, outcome: CallOutcome, code: Code, message: &str) -> Polled {
         self.inner = None;
-        self.guard.outcome = Some(outcome);
+        self.guard.call.set_outcome(outcome);
         let mut trailers = http::HeaderMap::new();
         let _ = tonic::Status::new(code, message).add_header(&mut trailers);
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
@@ -348,8 +348,9 @@ impl HttpBody for ResponseBody {
                             &message,
                         );
                     }
-                    this.guard.outcome =
-                        Some(CallOutcome::of_engine_status(trailers.get("grpc-status")));
+                    this.guard
+                        .call
+                        .set_outcome(CallOutcome::of_engine_status(trailers.get("grpc-status")));
                     this.inner = None;
                 }
                 Poll::Ready(Some(Ok(frame)))
@@ -366,7 +367,7 @@ impl HttpBody for ResponseBody {
                 // Ended without trailers (a trailers-only answer never gets here):
                 // no status at all, which the caller reads as an error.
                 this.inner = None;
-                this.guard.outcome = Some(CallOutcome::EngineStatus);
+                this.guard.call.set_outcome(CallOutcome::EngineStatus);
                 Poll::Ready(None)
             }
         }

@@ -23,6 +23,7 @@
 //! sidecar's health service).
 
 mod accept;
+mod admitted;
 mod engine_pool;
 mod forward;
 mod frame_watch;
@@ -39,8 +40,10 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::pb::health_server::HealthServer;
 
 pub(crate) use accept::serve;
+pub use admitted::{Admitted, HostedCalls};
 pub(crate) use engine_pool::EnginePool;
-pub(crate) use outcome::{CallCounters, CallOutcome};
+pub(crate) use outcome::CallCounters;
+pub use outcome::CallOutcome;
 pub(crate) use own_health::OwnHealth;
 
 /// Limits on what a caller may send.

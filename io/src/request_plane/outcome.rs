@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// in exactly one of these, so the sidecar's account reconciles with what the
 /// callers and the engine saw (docs/RELIABILITY.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CallOutcome {
+pub enum CallOutcome {
     /// Forwarded; the engine ended it with OK.
     Ok,
     /// Forwarded; the engine ended it with a status of its own, passed unchanged.

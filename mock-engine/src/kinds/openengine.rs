@@ -15,7 +15,7 @@ use llm_sidecar_engine_api::openengine::{
     AbortRequest, AbortResponse, AbortStatus, EngineRole, FinishReason, GenerateRequest,
     GenerateResponse, GenerationFinished, GetLoadRequest, GetModelInfoRequest,
     GetServerInfoRequest, HealthRequest, HealthResponse, HealthState, LoadInfo, ModelInfo,
-    ServerInfo, TokenInfo, TokenOutput, Usage,
+    ServerInfo, TokenInfo, TokenOutput, Usage, abort_request, stop_condition,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -37,6 +37,7 @@ impl Inference for OpenEngine {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let request = request.into_inner();
         let id = request.request_id.clone();
+        lock(&self.state.asked).push(asked(&request));
         let prompt = match request.input {
             Some(Input::TokenIds(t)) => t.ids,
             Some(Input::Prompt(_)) | None => Vec::new(),
@@ -148,12 +149,53 @@ impl Control for OpenEngine {
         request: Request<AbortRequest>,
     ) -> Result<Response<AbortResponse>, Status> {
         self.state.counters.aborts.fetch_add(1, Ordering::Relaxed);
-        let _ = request;
+        if let Some(abort_request::Target::RequestId(id)) = request.into_inner().target {
+            self.state.journal("abort", &id);
+            lock(&self.state.aborted_ids).push(id);
+        }
         Ok(Response::new(AbortResponse {
             status: AbortStatus::AlreadyFinished as i32,
             message: String::new(),
         }))
     }
+}
+
+/// What a Generate asked for, as `/stats` lists it.
+fn asked(request: &GenerateRequest) -> serde_json::Value {
+    let prompt = match &request.input {
+        Some(Input::TokenIds(t)) => serde_json::json!(t.ids),
+        Some(Input::Prompt(p)) => serde_json::json!(p),
+        None => serde_json::Value::Null,
+    };
+    let stopping = request.stopping.as_ref();
+    let stop_token_ids: Vec<u32> = stopping
+        .map(|s| {
+            s.conditions
+                .iter()
+                .filter_map(|c| match c.condition {
+                    Some(stop_condition::Condition::StopTokenId(id)) => Some(id),
+                    Some(stop_condition::Condition::StopText(_)) | None => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let detokenize = request
+        .extra
+        .as_ref()
+        .and_then(|e| e.fields.get("detokenize"))
+        .and_then(|v| match v.kind {
+            Some(llm_sidecar_engine_api::prost_types::value::Kind::BoolValue(b)) => Some(b),
+            _ => None,
+        });
+    serde_json::json!({
+        "request_id": request.request_id,
+        "model": request.model,
+        "prompt": prompt,
+        "max_tokens": stopping.and_then(|s| s.max_tokens),
+        "stop_token_ids": stop_token_ids,
+        "temperature": request.sampling.as_ref().and_then(|s| s.temperature),
+        "detokenize": detokenize,
+    })
 }
 
 impl State {

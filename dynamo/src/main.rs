@@ -1,0 +1,180 @@
+//! `llm-sidecar-dynamo`: llm-sidecar as a drop-in Dynamo worker.
+//!
+//! Dynamo's side is Dynamo's own code: `dynamo-backend-common`'s `Worker`
+//! writes the instance record and the model card and serves Dynamo's request
+//! plane, on a `DistributedRuntime` this process owns, with a shutdown token
+//! the core's decision cancels. llm-sidecar's side is the same core and IO
+//! layer as `llm-sidecar run` with the OpenEngine profile: the start-up wait,
+//! the liveness Watch, the stale `GetLoad`, the identity, keepalive, and the
+//! lifecycle that withdraws, drains and exits. This crate holds only the glue:
+//! the flags ([`args`]), the request translation ([`bridge`]) and Dynamo's
+//! discovery as the core's registry ([`registry`]).
+
+mod args;
+mod bridge;
+mod registry;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use dynamo_backend_common::WorkerConfig;
+use dynamo_runtime::{DistributedRuntime, Runtime};
+use llm_sidecar_io::process::{init_logging, runtime, shutdown_signals};
+use llm_sidecar_io::{Front, engine};
+
+use crate::args::{Args, Settings};
+use crate::registry::DynamoRegistry;
+
+/// Malformed flags or settings: nothing was contacted.
+const EXIT_USAGE: i32 = 2;
+
+/// Start-up did not complete within the deadline (as `llm-sidecar run`).
+const EXIT_STARTUP: i32 = 3;
+
+/// After the last request ended, how long Dynamo's response plane has to
+/// send what the bridge yielded last before the process goes. The bridge
+/// holds each request's admission until its stream was read to the end, so
+/// what is left is the end-of-stream frame.
+const RESPONSE_FLUSH: Duration = Duration::from_millis(100);
+
+fn main() {
+    std::process::exit(run());
+}
+
+fn run() -> i32 {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    let settings = match args.into_settings() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    init_logging(settings.json_logs);
+    runtime(Some(settings.worker_threads)).block_on(serve(settings))
+}
+
+/// The worker's settings for Dynamo, from Dynamo's own flags.
+fn worker_config(s: &Settings) -> WorkerConfig {
+    let c = &s.common;
+    WorkerConfig {
+        namespace: c.namespace.clone(),
+        component: c.component.clone(),
+        endpoint: c.endpoint.clone(),
+        model_name: s.model_path.clone(),
+        endpoint_types: c.endpoint_types.clone(),
+        custom_jinja_template: c.custom_jinja_template.clone(),
+        tool_call_parser: c.dyn_tool_call_parser.clone(),
+        reasoning_parser: c.dyn_reasoning_parser.clone(),
+        exclude_tools_when_tool_choice_none: c.exclude_tools_when_tool_choice_none,
+        disaggregation_mode: c.disaggregation_mode,
+        runtime: c.runtime.clone(),
+        default_thinking_mode: s.default_thinking_mode.clone(),
+        ..WorkerConfig::default()
+    }
+}
+
+async fn serve(settings: Settings) -> i32 {
+    let timings = settings.run.timings.clone();
+    let channel_settings = timings.engine_channel();
+    let channels: Result<Vec<_>, _> = (0..settings.grpc_connections)
+        .map(|_| {
+            engine::endpoint(&settings.run.engine_endpoint, channel_settings)
+                .map(|e| e.connect_lazy())
+        })
+        .collect();
+    let channels = match channels {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("--grpc-endpoint {}: {e}", settings.run.engine_endpoint);
+            return EXIT_USAGE;
+        }
+    };
+    let Some(drt) = connect_dynamo(&settings).await else {
+        return EXIT_STARTUP;
+    };
+    let registry = Arc::new(DynamoRegistry::new(
+        drt.clone(),
+        worker_config(&settings),
+        settings.context_length,
+        channels,
+    ));
+    let front = Front::Hosted {
+        instance_id: drt.connection_id(),
+    };
+    let started = match llm_sidecar_io::start(
+        settings.run,
+        registry.clone(),
+        front,
+        shutdown_signals(),
+    )
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("{e}");
+            return EXIT_USAGE;
+        }
+    };
+    registry.set_calls(started.calls());
+    let code = started.drive().await;
+    tokio::time::sleep(RESPONSE_FLUSH).await;
+    // Dynamo's teardown: stop its request plane, delete what this process
+    // still owns in discovery (nothing, after a confirmed withdrawal).
+    drt.shutdown();
+    code.as_i32()
+}
+
+/// Dynamo's runtime on this process's tokio runtime, connected to its
+/// discovery; retried every retry interval until the start-up deadline (an
+/// etcd that is not up yet), `None` past it.
+async fn connect_dynamo(settings: &Settings) -> Option<DistributedRuntime> {
+    let timings = &settings.run.timings;
+    let deadline = tokio::time::Instant::now() + timings.startup_deadline;
+    let runtime = match Runtime::from_current() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!("cannot start Dynamo's runtime: {e:#}");
+            return None;
+        }
+    };
+    loop {
+        let config = match settings.common.runtime.to_distributed_config() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!("Dynamo runtime settings: {e:#}");
+                return None;
+            }
+        };
+        let attempt = tokio::time::timeout(
+            timings.connect_attempt_timeout,
+            DistributedRuntime::new(runtime.clone(), config),
+        )
+        .await;
+        let why = match attempt {
+            Ok(Ok(drt)) => return Some(drt),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(_) => "no answer within the connect-attempt timeout".to_string(),
+        };
+        if tokio::time::Instant::now() + timings.retry_interval >= deadline {
+            tracing::error!(
+                "start-up deadline passed: Dynamo's discovery ({}) never answered: {why}",
+                settings.run.discovery
+            );
+            return None;
+        }
+        tracing::warn!(
+            "Dynamo's discovery ({}) is not reachable yet, retrying: {why}",
+            settings.run.discovery
+        );
+        tokio::time::sleep(timings.retry_interval).await;
+    }
+}

@@ -1,0 +1,308 @@
+//! Dynamo's discovery as llm-sidecar's registry: the core's `Register` runs
+//! Dynamo's own `Worker` (which writes the instance record and the model
+//! card, and serves Dynamo's request plane through the [`Bridge`]); the core's
+//! `Withdraw` cancels that worker's shutdown token and removes both records at
+//! once. Each write is confirmed by reading Dynamo's discovery back, so the
+//! core's book of discovery writes stays true.
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use dynamo_backend_common::{Worker, WorkerConfig};
+use dynamo_runtime::DistributedRuntime;
+use dynamo_runtime::discovery::{DiscoveryInstance, DiscoveryQuery};
+use llm_sidecar_io::discovery::{Discovery, DiscoveryError, ListedRecord, Record};
+use llm_sidecar_io::request_plane::HostedCalls;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+use crate::bridge::{Bridge, Served};
+
+/// How often discovery is read back while a write settles.
+const SETTLE_POLL: Duration = Duration::from_millis(20);
+
+/// How often a registered worker's records are looked for.
+const WATCH_POLL: Duration = Duration::from_secs(1);
+
+/// The running Dynamo worker of the current registration.
+struct Running {
+    shutdown: CancellationToken,
+    worker: JoinHandle<Result<(), String>>,
+    /// Stops the watch on the records.
+    watch: CancellationToken,
+}
+
+/// Dynamo's discovery, written through Dynamo's `Worker`.
+pub struct DynamoRegistry {
+    drt: DistributedRuntime,
+    /// Everything of the worker's settings but what the engine reports.
+    worker: WorkerConfig,
+    /// The context length of `--context-length`, if given.
+    context_length: Option<u32>,
+    channels: Vec<Channel>,
+    /// Admission for requests; set once the driver is started, before any write.
+    calls: OnceLock<HostedCalls>,
+    running: Mutex<Option<Running>>,
+}
+
+impl DynamoRegistry {
+    /// A registry on `drt` for a worker configured as `worker`.
+    pub fn new(
+        drt: DistributedRuntime,
+        worker: WorkerConfig,
+        context_length: Option<u32>,
+        channels: Vec<Channel>,
+    ) -> Self {
+        DynamoRegistry {
+            drt,
+            worker,
+            context_length,
+            channels,
+            calls: OnceLock::new(),
+            running: Mutex::new(None),
+        }
+    }
+
+    /// Hands over admission for the bridge (the driver's gate).
+    pub fn set_calls(&self, calls: HostedCalls) {
+        let _ = self.calls.set(calls);
+    }
+
+    fn id(&self) -> u64 {
+        self.drt.connection_id()
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, Option<Running>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This worker's records in Dynamo's discovery now: (instance, model cards).
+    async fn ours(&self) -> Result<(bool, Vec<DiscoveryInstance>), DiscoveryError> {
+        ours(&self.drt, &self.worker, self.id()).await
+    }
+
+    /// The context length to register: the flag's, else the engine's; a
+    /// disagreement is said.
+    fn context_length(&self, record: &Record) -> Option<u32> {
+        let engine = u32::try_from(record.model.max_seq_len)
+            .ok()
+            .filter(|c| *c > 0);
+        match (self.context_length, engine) {
+            (Some(flag), Some(engine)) if flag != engine => {
+                tracing::warn!(
+                    "--context-length {flag} differs from the engine's {engine} \
+                     (GetModelInfo); registering {flag}"
+                );
+                Some(flag)
+            }
+            (Some(flag), _) => Some(flag),
+            (None, engine) => engine,
+        }
+    }
+
+    /// Starts Dynamo's worker for this registration.
+    fn start_worker(&self, record: &Record, calls: HostedCalls) -> Running {
+        let served = Served {
+            name: self.worker.model_name.clone(),
+            engine_model: record.model.name.clone(),
+            context_length: self.context_length(record),
+        };
+        let bridge = Arc::new(Bridge::new(self.channels.clone(), calls, served));
+        let shutdown = CancellationToken::new();
+        let worker = Worker::new(bridge, self.worker.clone());
+        let drt = self.drt.clone();
+        let token = shutdown.clone();
+        let worker = tokio::spawn(async move {
+            worker
+                .run_with_drt(drt, token)
+                .await
+                .map_err(|e| e.to_string())
+        });
+        Running {
+            shutdown,
+            worker,
+            watch: CancellationToken::new(),
+        }
+    }
+}
+
+/// This worker's records in discovery: whether its instance is there, and
+/// its model cards.
+async fn ours(
+    drt: &DistributedRuntime,
+    worker: &WorkerConfig,
+    id: u64,
+) -> Result<(bool, Vec<DiscoveryInstance>), DiscoveryError> {
+    let read = |e: anyhow::Error| DiscoveryError::Io {
+        path: "Dynamo discovery".into(),
+        source: std::io::Error::other(format!("{e:#}")),
+    };
+    let discovery = drt.discovery();
+    let instances = discovery
+        .list(DiscoveryQuery::Endpoint {
+            namespace: worker.namespace.clone(),
+            component: worker.component.clone(),
+            endpoint: worker.endpoint.clone(),
+        })
+        .await
+        .map_err(read)?;
+    let cards = discovery
+        .list(DiscoveryQuery::EndpointModels {
+            namespace: worker.namespace.clone(),
+            component: worker.component.clone(),
+            endpoint: worker.endpoint.clone(),
+        })
+        .await
+        .map_err(read)?;
+    Ok((
+        instances.iter().any(|i| i.instance_id() == id),
+        cards
+            .into_iter()
+            .filter(|c| c.instance_id() == id)
+            .collect(),
+    ))
+}
+
+/// Reports a lost registration when either record leaves discovery on its
+/// own (removed by someone, expired), or Dynamo's worker stops serving.
+fn watch(
+    drt: DistributedRuntime,
+    worker: WorkerConfig,
+    id: u64,
+    stop: CancellationToken,
+    lost: mpsc::UnboundedSender<String>,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(WATCH_POLL) => {}
+            }
+            let cause = match ours(&drt, &worker, id).await {
+                Ok((true, cards)) if !cards.is_empty() => continue,
+                Ok((false, _)) => "the instance record left Dynamo's discovery",
+                Ok((true, _)) => "the model card left Dynamo's discovery",
+                // A read that fails is not a lost record; the next one decides.
+                Err(_) => continue,
+            };
+            if !stop.is_cancelled() {
+                let _ = lost.send(cause.to_string());
+            }
+            return;
+        }
+    });
+}
+
+impl Discovery for DynamoRegistry {
+    async fn register(
+        &self,
+        record: &Record,
+        lost: mpsc::UnboundedSender<String>,
+    ) -> Result<(), DiscoveryError> {
+        let Some(calls) = self.calls.get().cloned() else {
+            return Err(DiscoveryError::Unsupported(
+                "the request plane is not ready yet".into(),
+            ));
+        };
+        // A worker from an attempt that timed out may still be coming up; a
+        // finished one is replaced.
+        let finished = self
+            .running()
+            .as_ref()
+            .is_some_and(|r| r.worker.is_finished());
+        if finished && let Some(old) = self.running().take() {
+            old.watch.cancel();
+        }
+        if self.running().is_none() {
+            let running = self.start_worker(record, calls);
+            *self.running() = Some(running);
+        }
+        loop {
+            if let (true, cards) = self.ours().await?
+                && !cards.is_empty()
+            {
+                break;
+            }
+            let ended = {
+                let mut guard = self.running();
+                match guard.as_ref() {
+                    Some(r) if r.worker.is_finished() => guard.take(),
+                    _ => None,
+                }
+            };
+            if let Some(ended) = ended {
+                let why = match ended.worker.await {
+                    Ok(Ok(())) => "Dynamo's worker ended before it registered".to_string(),
+                    Ok(Err(e)) => format!("Dynamo's worker failed: {e}"),
+                    Err(e) => format!("Dynamo's worker panicked: {e}"),
+                };
+                return Err(DiscoveryError::Io {
+                    path: "Dynamo discovery".into(),
+                    source: std::io::Error::other(why),
+                });
+            }
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
+        if let Some(running) = self.running().as_ref() {
+            watch(
+                self.drt.clone(),
+                self.worker.clone(),
+                self.id(),
+                running.watch.clone(),
+                lost,
+            );
+        }
+        Ok(())
+    }
+
+    async fn withdraw(&self) -> Result<(), DiscoveryError> {
+        // Cancelling Dynamo's worker unregisters its instance at once (then it
+        // sleeps Dynamo's own grace, which the core's timing supersedes).
+        if let Some(running) = self.running().as_ref() {
+            running.watch.cancel();
+            running.shutdown.cancel();
+        }
+        let discovery = self.drt.discovery();
+        loop {
+            let (instance, cards) = self.ours().await?;
+            // Dynamo's worker leaves its model card to expire with its lease;
+            // the card goes now, so no frontend lists a model nobody serves.
+            for card in cards {
+                if let Err(e) = discovery.unregister(card).await {
+                    tracing::debug!("model card removal failed, retrying: {e:#}");
+                }
+            }
+            if !instance {
+                let (instance, cards) = self.ours().await?;
+                if !instance && cards.is_empty() {
+                    return Ok(());
+                }
+            } else if self.running().is_none() {
+                // Registered by an earlier process with this id cannot be;
+                // nothing of ours runs, so nothing will remove it but us.
+                return Err(DiscoveryError::Unsupported(
+                    "an instance record with this worker's id is there, and no worker runs".into(),
+                ));
+            }
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<ListedRecord>, DiscoveryError> {
+        Err(DiscoveryError::Unsupported(
+            "Dynamo's records are listed with Dynamo's tools".into(),
+        ))
+    }
+
+    fn location(&self, record: &Record) -> String {
+        format!(
+            "Dynamo discovery v1/instances/{}/{}/{}/{:x} and its model card",
+            record.namespace,
+            record.component,
+            record.endpoint,
+            self.id()
+        )
+    }
+}

@@ -1,0 +1,360 @@
+//! `llm-sidecar-dynamo` behind Dynamo 1.6.1's real frontend, in front of the
+//! mock OpenEngine engine: what a Dynamo user sees (HTTP answers, the
+//! discovery files or keys, the exit code, the loss line) and what the engine
+//! saw (the token ids, the aborts).
+
+#[path = "../../../bin/tests/process/support/etcd.rs"]
+mod etcd;
+#[path = "../../../bin/tests/process/support/proc.rs"]
+mod proc;
+mod support;
+
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+pub use proc::{HANG, Proc, wait_until};
+use support::*;
+pub use support::{Certs, free_addr};
+
+/// How long the frontend's discovery watch may take to act on a removed
+/// record before requests are sent (measured in docs/PERFORMANCE.md's
+/// Dynamo table).
+const FRONTEND_SETTLE: Duration = Duration::from_millis(0);
+
+/// One frontend, `n` engines and their workers, registered and serving.
+struct Setup {
+    // Dropped in this order: workers first, then engines, the frontend, etcd,
+    // and the directory with everyone's logs last.
+    workers: Vec<Worker>,
+    engines: Vec<Engine>,
+    frontend: Frontend,
+    store: Store,
+    _dir: TempDir,
+    model: String,
+    ids: Vec<String>,
+}
+
+impl Setup {
+    fn start(name: &str, n: usize, etcd: bool, token_delay: &str) -> Setup {
+        let dir = TempDir::new(name);
+        let store = if etcd {
+            Store::Etcd(Box::new(Etcd::started(&dir.0)))
+        } else {
+            let kv = dir.0.join("kv");
+            std::fs::create_dir_all(&kv).expect("kv dir");
+            Store::File(kv)
+        };
+        let tokenizer = write_tokenizer(&dir.0);
+        let model = tokenizer.display().to_string();
+        let frontend = Frontend::start(&dir.0, &store);
+        let mut engines = Vec::new();
+        let mut workers = Vec::new();
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            let engine = Engine::start(&dir.0, token_delay);
+            let mut worker = Worker::start(
+                &dir.0,
+                &store,
+                &engine,
+                &tokenizer,
+                &["--router-grace", "1s"],
+            );
+            ids.push(worker.wait_registered());
+            engines.push(engine);
+            workers.push(worker);
+        }
+        wait_until(
+            Duration::from_secs(60),
+            "the frontend to list the model",
+            || frontend.models().contains(&model),
+        );
+        Setup {
+            workers,
+            engines,
+            frontend,
+            store,
+            _dir: dir,
+            model,
+            ids,
+        }
+    }
+
+    /// Both of a worker's records (instance and model card) are in discovery.
+    fn assert_registered(&self, i: usize) {
+        let keys = self.store.keys_of(&self.ids[i]);
+        assert!(
+            keys.iter().any(|k| k.contains("instances/"))
+                && keys.iter().any(|k| k.contains("mdc/")),
+            "worker {i}'s instance record and model card: {keys:?}"
+        );
+    }
+}
+
+/// The text the mock engine generated for the request it saw with this prompt.
+fn engine_text(engine: &Engine, prompt: &[u32]) -> (String, serde_json::Value) {
+    let stats = engine.stats();
+    let asked = stats["asked"]
+        .as_array()
+        .expect("asked")
+        .iter()
+        .rev()
+        .find(|a| a["prompt"] == serde_json::json!(prompt))
+        .cloned()
+        .unwrap_or_else(|| panic!("the engine saw prompt {prompt:?}: {stats}"));
+    let id = asked["request_id"].as_str().expect("request id");
+    let max = asked["max_tokens"].as_u64().expect("max_tokens") as u32;
+    let text: String = (0..max)
+        .map(|i| format!(" w{}", mock_token(id, prompt, i)))
+        .collect();
+    (text, asked)
+}
+
+#[test]
+fn chat_and_completions_reach_the_engine_as_token_ids_and_come_back_intact() {
+    let s = Setup::start("dyn-intact", 1, false, "2ms");
+    s.assert_registered(0);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat(&s.model, "w5 w6 w7", 8, false),
+            vec![5, 6, 7],
+        ),
+        (
+            "/v1/chat/completions",
+            chat(&s.model, "w8 w9", 6, true),
+            vec![8, 9],
+        ),
+        (
+            "/v1/completions",
+            completion(&s.model, "w10 w11 w12 w13", 5, false),
+            vec![10, 11, 12, 13],
+        ),
+        (
+            "/v1/completions",
+            completion(&s.model, "w14", 7, true),
+            vec![14],
+        ),
+    ];
+    for (path, body, prompt) in cases {
+        let (status, answer) = s.frontend.post(path, &body);
+        assert_eq!(status, 200, "{path} {body}: {answer}");
+        let (expected, asked) = engine_text(&s.engines[0], &prompt);
+        assert_eq!(
+            asked["max_tokens"], body["max_tokens"],
+            "max_tokens reach the engine"
+        );
+        assert_eq!(
+            asked["detokenize"], false,
+            "the engine is asked not to detokenize"
+        );
+        if expected.split(' ').any(|w| matches!(w, "w0" | "w1" | "w2")) {
+            // A special token (the end of sequence among them) is not text.
+            continue;
+        }
+        assert_eq!(answer_text(&answer), expected, "{path} {body}: {answer}");
+    }
+    // The engine saw each request exactly once.
+    assert_eq!(s.engines[0].stats()["generate_started"], 4);
+}
+
+/// Loses engine 0 of two by `lose`; its worker must leave discovery, exit 1
+/// with the loss line, and the frontend must serve every request that starts
+/// after the withdrawal from worker 1.
+fn loss_moves_traffic_to_the_other_worker(name: &str, lose: impl FnOnce(&mut Setup), reason: &str) {
+    let mut s = Setup::start(name, 2, false, "2ms");
+    s.assert_registered(0);
+    s.assert_registered(1);
+    // The frontend spreads requests over both workers while both serve.
+    for i in 0..10 {
+        let (status, answer) = s
+            .frontend
+            .post("/v1/completions", &completion(&s.model, "w22", 2, false));
+        assert_eq!(status, 200, "request {i} before the loss: {answer}");
+    }
+    for (i, e) in s.engines.iter().enumerate() {
+        assert!(
+            e.stats()["generate_started"].as_u64() > Some(0),
+            "engine {i} served some before the loss"
+        );
+    }
+    let engine_instance = s.engines[0].stats()["instance_id"]
+        .as_str()
+        .expect("the engine's instance id")
+        .to_string();
+    let lost_at = Instant::now();
+    lose(&mut s);
+    wait_until(HANG, "worker 0's records to leave discovery", || {
+        s.store.keys_of(&s.ids[0]).is_empty()
+    });
+    let withdrawn_after = lost_at.elapsed();
+    let code = s.workers[0].proc.wait_exit(HANG);
+    let log = s.workers[0].proc.log_text();
+    assert_eq!(code, 1, "exit code after the loss; log:\n{log}");
+    let loss: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" engine lost: "))
+        .collect();
+    assert_eq!(loss.len(), 1, "one loss line; log:\n{log}");
+    assert!(
+        loss[0].contains(reason),
+        "loss reason {reason:?} in {}",
+        loss[0]
+    );
+    assert!(
+        loss[0].ends_with(&format!("(instance {engine_instance})")),
+        "the loss line names the engine's instance: {}",
+        loss[0]
+    );
+    s.workers[0].proc.assert_withdrawn_before_exit(1);
+    // The frontend hears of the removal through its discovery watch.
+    std::thread::sleep(FRONTEND_SETTLE);
+    let served_before = s.engines[1].stats()["generate_started"]
+        .as_u64()
+        .unwrap_or(0);
+    for i in 0..20 {
+        let (status, answer) = s.frontend.post(
+            "/v1/completions",
+            &completion(&s.model, "w20 w21", 4, false),
+        );
+        assert_eq!(status, 200, "request {i} after the withdrawal: {answer}");
+    }
+    let served_after = s.engines[1].stats()["generate_started"]
+        .as_u64()
+        .unwrap_or(0);
+    assert_eq!(served_after - served_before, 20, "worker 1 served them all");
+    s.assert_registered(1);
+    eprintln!("{name}: records gone {withdrawn_after:?} after the loss");
+}
+
+#[test]
+fn an_engine_going_not_serving_takes_its_worker_out_of_discovery() {
+    loss_moves_traffic_to_the_other_worker(
+        "dyn-not-serving",
+        |s| s.engines[0].control("/liveness?status=2"),
+        "liveness reported NOT_SERVING",
+    );
+}
+
+#[test]
+fn a_killed_engine_takes_its_worker_out_of_discovery() {
+    loss_moves_traffic_to_the_other_worker(
+        "dyn-killed",
+        |s| s.engines[0].proc.signal("KILL"),
+        "liveness stream",
+    );
+}
+
+#[test]
+fn an_ended_liveness_watch_takes_its_worker_out_of_discovery() {
+    loss_moves_traffic_to_the_other_worker(
+        "dyn-watch-end",
+        |s| s.engines[0].control("/watch/end"),
+        "liveness stream ended",
+    );
+}
+
+/// SIGTERM with a streaming request in flight: it completes, the worker
+/// exits 0, and both of its records are gone (Dynamo's own sidecar leaves its
+/// model card behind to expire).
+fn sigterm_drains_and_leaves_nothing(s: &Setup) {
+    let mut stream = s.frontend.open_post(
+        "/v1/completions",
+        &completion(&s.model, "w30 w31", 200, true),
+    );
+    // The first token has arrived: the request is in flight.
+    let mut first = [0u8; 256];
+    let n = stream
+        .read(&mut first)
+        .expect("the first bytes of the answer");
+    assert!(n > 0);
+    s.workers[0].proc.signal("TERM");
+    let mut rest = Vec::new();
+    stream
+        .read_to_end(&mut rest)
+        .expect("the rest of the answer");
+    let mut raw = first[..n].to_vec();
+    raw.extend(rest);
+    let (status, body) = parse_response(&raw);
+    assert_eq!(status, 200, "{body}");
+    let (expected, _) = engine_text(&s.engines[0], &[30, 31]);
+    assert!(
+        body.contains("\"finish_reason\":\"length\""),
+        "the stream finished: {body}"
+    );
+    if !expected.split(' ').any(|w| matches!(w, "w0" | "w1" | "w2")) {
+        assert_eq!(answer_text(&body), expected, "every token arrived");
+    }
+    assert!(
+        s.store.keys_of(&s.ids[0]).is_empty(),
+        "both records are gone: {:?}",
+        s.store.keys()
+    );
+}
+
+#[test]
+fn sigterm_lets_a_request_in_flight_finish_and_leaves_no_record() {
+    let mut s = Setup::start("dyn-sigterm", 1, false, "10ms");
+    sigterm_drains_and_leaves_nothing(&s);
+    let code = s.workers[0].proc.wait_exit(HANG);
+    assert_eq!(code, 0, "log:\n{}", s.workers[0].proc.log_text());
+    s.workers[0].proc.assert_withdrawn_before_exit(0);
+    assert!(
+        s.store.keys().is_empty(),
+        "nothing left in discovery: {:?}",
+        s.store.keys()
+    );
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_makes_the_worker_abort_the_engine_call() {
+    let s = Setup::start("dyn-abort", 1, false, "20ms");
+    let mut stream = s.frontend.open_post(
+        "/v1/chat/completions",
+        &chat(&s.model, "w40 w41 w42", 500, true),
+    );
+    let mut first = [0u8; 256];
+    let n = stream
+        .read(&mut first)
+        .expect("the first bytes of the answer");
+    assert!(n > 0);
+    let id = s.engines[0].stats()["asked"][0]["request_id"]
+        .as_str()
+        .expect("the engine saw the request")
+        .to_string();
+    drop(stream);
+    wait_until(
+        HANG,
+        "the engine to see Control.Abort for the request",
+        || {
+            s.engines[0].stats()["aborted_ids"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x == id.as_str()))
+        },
+    );
+    wait_until(HANG, "the engine's generation to end", || {
+        s.engines[0].stats()["generate_cancelled"] == 1
+    });
+    // The worker keeps serving.
+    let (status, answer) = s
+        .frontend
+        .post("/v1/completions", &completion(&s.model, "w43", 3, false));
+    assert_eq!(status, 200, "{answer}");
+}
+
+#[test]
+fn etcd_discovery_registers_serves_and_withdraws_both_keys() {
+    let mut s = Setup::start("dyn-etcd", 1, true, "10ms");
+    s.assert_registered(0);
+    let (status, answer) = s
+        .frontend
+        .post("/v1/chat/completions", &chat(&s.model, "w50 w51", 4, false));
+    assert_eq!(status, 200, "{answer}");
+    sigterm_drains_and_leaves_nothing(&s);
+    let code = s.workers[0].proc.wait_exit(HANG);
+    assert_eq!(code, 0, "log:\n{}", s.workers[0].proc.log_text());
+    assert!(
+        s.store.keys_of(&s.ids[0]).is_empty(),
+        "keys: {:?}",
+        s.store.keys()
+    );
+}

@@ -1,0 +1,466 @@
+//! Dynamo's real frontend (Python, from PyPI `ai-dynamo` 1.6.1), the mock
+//! OpenEngine engine (`llm-sidecar mock-engine`), and `llm-sidecar-dynamo`
+//! between them, on loopback with file or etcd discovery in a temporary
+//! directory; and a plain HTTP/1.1 client for the frontend's OpenAI API.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub use crate::etcd::Etcd;
+pub use crate::proc::{HANG, Proc, TempDir, wait_until};
+
+/// Stand-in for the TLS material of `llm-sidecar`'s suite (etcd.rs names it);
+/// this suite runs etcd in plaintext.
+pub struct Certs {
+    pub dir: PathBuf,
+}
+
+pub fn free_addr() -> SocketAddr {
+    llm_sidecar_loadgen::local::free_loopback_addr().expect("bind an ephemeral port")
+}
+
+/// `llm-sidecar-dynamo`, as cargo built it for this test.
+pub fn worker_binary() -> &'static str {
+    env!("CARGO_BIN_EXE_llm-sidecar-dynamo")
+}
+
+/// The target directory this test binary was built in.
+fn target_dir() -> PathBuf {
+    // …/target/<profile>/llm-sidecar-dynamo
+    Path::new(worker_binary())
+        .parent()
+        .and_then(Path::parent)
+        .expect("the binary is inside the target directory")
+        .to_path_buf()
+}
+
+/// `llm-sidecar` (for its mock engine), built beside this crate's binary.
+pub fn sidecar_binary() -> PathBuf {
+    let path = Path::new(worker_binary()).with_file_name("llm-sidecar");
+    assert!(
+        path.exists(),
+        "{} is missing: build it first (`cargo build -p llm-sidecar`; `cargo test --workspace` \
+         and scripts/test.sh do)",
+        path.display()
+    );
+    path
+}
+
+/// The Python with Dynamo installed: `DYNAMO_PYTHON`, or the venv that
+/// scripts/test.sh makes in the target directory.
+pub fn python() -> PathBuf {
+    let path = std::env::var_os("DYNAMO_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("dynamo-venv/bin/python"));
+    assert!(
+        path.exists(),
+        "{} is missing: run `bash scripts/test.sh` (it installs ai-dynamo 1.6.1 into \
+         target/dynamo-venv) or point DYNAMO_PYTHON at a Python that has it",
+        path.display()
+    );
+    path
+}
+
+/// A tokenizer directory the frontend can load offline: a word-level
+/// tokenizer whose word `w<i>` is token `i` for every id the mock engine
+/// produces (below 32,000), a chat template that joins the messages'
+/// contents, and a config.json.
+pub fn write_tokenizer(dir: &Path) -> PathBuf {
+    let tok = dir.join("tokenizer");
+    std::fs::create_dir_all(&tok).expect("tokenizer dir");
+    let mut vocab = serde_json::Map::new();
+    for (i, special) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert((*special).into(), i.into());
+    }
+    for i in 3..32_000u32 {
+        vocab.insert(format!("w{i}"), i.into());
+    }
+    let added: Vec<serde_json::Value> = ["<unk>", "<s>", "</s>"]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    });
+    let config = serde_json::json!({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    });
+    let model = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+        "max_position_embeddings": 4096, "eos_token_id": 2, "bos_token_id": 1,
+        "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 4, "intermediate_size": 128,
+    });
+    for (name, value) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", config),
+        ("config.json", model),
+    ] {
+        std::fs::write(tok.join(name), value.to_string()).expect("write tokenizer file");
+    }
+    tok
+}
+
+/// The mock engine's `i`-th token for a request: the same formula as the
+/// mock's (mock-engine/src/generate.rs), so a test can say what the engine
+/// produced without asking it.
+pub fn mock_token(request_id: &str, prompt: &[u32], i: u32) -> u32 {
+    let mut seed: u64 = 17;
+    for b in request_id.bytes() {
+        seed = seed.wrapping_mul(31).wrapping_add(u64::from(b));
+    }
+    for id in prompt {
+        seed = seed.wrapping_mul(31).wrapping_add(u64::from(*id));
+    }
+    ((seed
+        .wrapping_mul(2_654_435_761)
+        .wrapping_add(u64::from(i) * 7_919))
+        % 32_000) as u32
+}
+
+/// Where the workers register: a file store, or a real etcd.
+pub enum Store {
+    File(PathBuf),
+    Etcd(Box<Etcd>),
+}
+
+impl Store {
+    /// The environment and flags every Dynamo process of this test gets.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![("HF_HUB_OFFLINE", "1".to_string())];
+        match self {
+            Store::File(dir) => env.push(("DYN_FILE_KV", dir.display().to_string())),
+            Store::Etcd(etcd) => env.push(("ETCD_ENDPOINTS", format!("http://{}", etcd.client))),
+        }
+        env
+    }
+
+    fn backend(&self) -> &'static str {
+        match self {
+            Store::File(_) => "file",
+            Store::Etcd(_) => "etcd",
+        }
+    }
+
+    /// Every key the store holds: instance records, model cards, anything.
+    pub fn keys(&self) -> Vec<String> {
+        match self {
+            Store::File(dir) => llm_sidecar_loadgen::local::files_under(dir, &|_| true)
+                .into_iter()
+                .map(|p| {
+                    p.strip_prefix(dir)
+                        .unwrap_or(&p)
+                        .display()
+                        .to_string()
+                        .replace("%2F", "/")
+                })
+                .collect(),
+            Store::Etcd(etcd) => etcd.keys(),
+        }
+    }
+
+    /// The keys of one worker (instance id in hex).
+    pub fn keys_of(&self, instance_hex: &str) -> Vec<String> {
+        self.keys()
+            .into_iter()
+            .filter(|k| k.ends_with(&format!("/{instance_hex}")))
+            .collect()
+    }
+}
+
+/// Dynamo's frontend: `python -m dynamo.frontend` on a free HTTP port.
+pub struct Frontend {
+    pub proc: Proc,
+    pub http: SocketAddr,
+}
+
+impl Frontend {
+    pub fn start(dir: &Path, store: &Store) -> Self {
+        let http = free_addr();
+        let args: Vec<String> = [
+            "-m",
+            "dynamo.frontend",
+            "--discovery-backend",
+            store.backend(),
+            "--request-plane",
+            "tcp",
+            "--http-port",
+            &http.port().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let env = store.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let python = python();
+        let proc = Proc::spawn_with_env(
+            python.to_str().expect("UTF-8 path"),
+            &args,
+            &env,
+            dir.join(format!("frontend-{}.log", http.port())),
+        );
+        let mut f = Frontend { proc, http };
+        wait_until(Duration::from_secs(60), "the frontend to answer", || {
+            assert!(f.proc.running(), "frontend exited:\n{}", f.proc.log_text());
+            llm_sidecar_loadgen::local::http_get(f.http, "/v1/models", Duration::from_secs(5))
+                .is_some()
+        });
+        f
+    }
+
+    /// The model names `/v1/models` lists.
+    pub fn models(&self) -> Vec<String> {
+        let Some((200, body)) =
+            llm_sidecar_loadgen::local::http_get(self.http, "/v1/models", Duration::from_secs(5))
+        else {
+            return Vec::new();
+        };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["data"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|m| m["id"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// `POST path` with a JSON body; the status and the (de-chunked) body.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, String) {
+        let mut s = self.open_post(path, body);
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).expect("read the answer");
+        parse_response(&raw)
+    }
+
+    /// Sends `POST path` and returns the connection, to read (or drop) as it comes.
+    pub fn open_post(&self, path: &str, body: &serde_json::Value) -> TcpStream {
+        let mut s = TcpStream::connect(self.http).expect("connect to the frontend");
+        s.set_read_timeout(Some(HANG)).expect("timeout");
+        let body = body.to_string();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("send the request");
+        s
+    }
+}
+
+/// Status and body of an HTTP/1.1 answer, chunked or not.
+pub fn parse_response(raw: &[u8]) -> (u16, String) {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    if !chunked {
+        return (status, body.to_string());
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || after.len() < n {
+            out.push_str(&after[..n.min(after.len())]);
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].strip_prefix("\r\n").unwrap_or(&after[n..]);
+    }
+    (status, out)
+}
+
+/// The mock OpenEngine engine.
+pub struct Engine {
+    pub proc: Proc,
+    pub grpc: SocketAddr,
+    pub control: SocketAddr,
+}
+
+impl Engine {
+    pub fn start(dir: &Path, token_delay: &str) -> Self {
+        let grpc = free_addr();
+        let control = free_addr();
+        let args: Vec<String> = [
+            "mock-engine",
+            "--kind",
+            "openengine",
+            "--model-id",
+            "tiny",
+            "--token-delay",
+            token_delay,
+            "--listen",
+            &grpc.to_string(),
+            "--control-listen",
+            &control.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let program = sidecar_binary();
+        let proc = Proc::spawn_program(
+            program.to_str().expect("UTF-8 path"),
+            &args,
+            dir.join(format!("engine-{}.log", grpc.port())),
+        );
+        let mut e = Engine {
+            proc,
+            grpc,
+            control,
+        };
+        wait_until(HANG, "the mock engine to answer", || {
+            assert!(e.proc.running(), "engine exited:\n{}", e.proc.log_text());
+            e.try_stats().is_some()
+        });
+        e
+    }
+
+    fn try_stats(&self) -> Option<serde_json::Value> {
+        let (status, body) =
+            llm_sidecar_loadgen::local::http_get(self.control, "/stats", Duration::from_secs(5))?;
+        (status == 200).then(|| serde_json::from_str(&body).ok())?
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        self.try_stats().expect("the mock's /stats answers")
+    }
+
+    pub fn control(&self, path: &str) {
+        let answer = llm_sidecar_loadgen::local::http_get(self.control, path, HANG);
+        assert!(
+            matches!(answer, Some((200, _))),
+            "mock control {path}: {answer:?}"
+        );
+    }
+}
+
+/// `llm-sidecar-dynamo` in front of an engine, registered in `store`.
+pub struct Worker {
+    pub proc: Proc,
+    pub admin: SocketAddr,
+}
+
+impl Worker {
+    pub fn start(dir: &Path, store: &Store, engine: &Engine, model: &Path, extra: &[&str]) -> Self {
+        let admin = free_addr();
+        let mut args: Vec<String> = [
+            "--grpc-endpoint",
+            &engine.grpc.to_string(),
+            "--model-path",
+            model.to_str().expect("UTF-8 path"),
+            "--discovery-backend",
+            store.backend(),
+            "--request-plane",
+            "tcp",
+            "--admin-listen",
+            &admin.to_string(),
+            "--grpc-retry-interval-secs",
+            "1",
+            "--probe-interval",
+            "1s",
+            "--stale-after",
+            "3s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let env = store.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let proc = Proc::spawn_with_env(
+            worker_binary(),
+            &args,
+            &env,
+            dir.join(format!("worker-{}.log", admin.port())),
+        );
+        Worker { proc, admin }
+    }
+
+    /// Waits until the worker says its records are written; returns its
+    /// instance id (hex), as the log's first line names it.
+    pub fn wait_registered(&mut self) -> String {
+        let line = self
+            .proc
+            .wait_for_line("record written to discovery", Duration::from_secs(60));
+        assert!(!line.is_empty());
+        let start = self.proc.wait_for_line("starting: instance ", HANG);
+        start
+            .split("starting: instance ")
+            .nth(1)
+            .and_then(|rest| rest.split(',').next())
+            .expect("the start line names the instance")
+            .to_string()
+    }
+}
+
+/// A chat request for `model` with this prompt text.
+pub fn chat(model: &str, text: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+/// A completion request for `model`.
+pub fn completion(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+    })
+}
+
+/// The text of an answer, streamed (SSE `data:` events) or not.
+pub fn answer_text(body: &str) -> String {
+    if body.trim_start().starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(body).expect("a JSON answer");
+        let choice = &v["choices"][0];
+        return choice["message"]["content"]
+            .as_str()
+            .or_else(|| choice["text"].as_str())
+            .unwrap_or_default()
+            .to_string();
+    }
+    let mut text = String::new();
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data.trim() == "[DONE]" {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(data).expect("an SSE event is JSON");
+        let choice = &v["choices"][0];
+        if let Some(t) = choice["delta"]["content"]
+            .as_str()
+            .or_else(|| choice["text"].as_str())
+        {
+            text.push_str(t);
+        }
+    }
+    text
+}

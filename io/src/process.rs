@@ -1,0 +1,145 @@
+//! What every process of the sidecar runs on (`llm-sidecar`'s subcommands and
+//! `llm-sidecar-dynamo`): logging to stderr, the async runtime, and the
+//! signals that ask the sidecar to stop.
+
+use tokio::sync::mpsc;
+
+/// Exit code when the async runtime cannot start (the OS refused its threads):
+/// sysexits' EX_OSERR. Never 1, which means "engine lost" to a supervisor.
+pub const EXIT_RUNTIME: i32 = 71;
+
+/// Sets up tracing to stderr, one JSON object per line when `json`;
+/// `RUST_LOG` overrides the default `info`.
+pub fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,h2=warn,hyper=warn,tower=warn")
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false);
+    if json {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
+/// The runtime: current-thread for one worker, else multi-threaded with
+/// `worker_threads` workers (tokio's default, one per core, when `None`). On failure the process exits [`EXIT_RUNTIME`]
+/// with a line that says why.
+///
+/// tokio reports some failures as an error and panics on others (the OS
+/// refusing a worker thread), so both are caught; the panic's own message is
+/// kept for the line instead of a backtrace.
+pub fn runtime(worker_threads: Option<u16>) -> tokio::runtime::Runtime {
+    let mut builder = match worker_threads {
+        // One thread: the current-thread scheduler. Its run queue is plain
+        // FIFO: a relay that wakes its connection's writer does not run that
+        // writer at once (the multi-thread scheduler's LIFO slot does), so
+        // every stream that got a token in this turn queues its frame first
+        // and the writer sends them in one write. docs/PERFORMANCE.md has the
+        // figures.
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(usize::from(n));
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        builder.enable_all().build()
+    }));
+    std::panic::set_hook(quiet);
+    let why = match built {
+        Ok(Ok(rt)) => return rt,
+        Ok(Err(e)) => e.to_string(),
+        Err(panic) => panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
+            .unwrap_or_else(|| "the runtime panicked while starting".to_string()),
+    };
+    eprintln!("error: cannot start the async runtime: {why}");
+    std::process::exit(EXIT_RUNTIME);
+}
+
+/// The signals that start the SIGTERM path (withdraw, router grace, drain,
+/// exit 0): a supervisor's stop (TERM), an operator's (INT, QUIT), a lost
+/// terminal or a reload that this sidecar does not support (HUP), the CPU-time
+/// soft limit (XCPU, before the kernel's SIGKILL) and a power failure (PWR).
+const STOP: [(i32, &str); 6] = [
+    (15, "SIGTERM"),
+    (2, "SIGINT"),
+    (1, "SIGHUP"),
+    (3, "SIGQUIT"),
+    (24, "SIGXCPU"),
+    (30, "SIGPWR"),
+];
+
+/// The signals whose default action would end the process without a word or
+/// a withdrawal, and that mean nothing to the sidecar: they are ignored, with
+/// one WARN per kind. (SIGPIPE is ignored by Rust's runtime already: a write
+/// to a closed socket is an error, not a death. The fault signals SIGSEGV,
+/// SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP and SIGSYS mean the process itself
+/// is broken and keep their default.)
+const IGNORED: [(i32, &str); 8] = [
+    (10, "SIGUSR1"),
+    (12, "SIGUSR2"),
+    (14, "SIGALRM"),
+    (16, "SIGSTKFLT"),
+    (25, "SIGXFSZ"),
+    (26, "SIGVTALRM"),
+    (27, "SIGPROF"),
+    (29, "SIGIO"),
+];
+
+/// The real-time signals (glibc keeps 32 and 33 for itself); their default
+/// action ends the process too, so they are ignored like the ones above.
+const REALTIME: std::ops::RangeInclusive<i32> = 34..=64;
+
+/// One item per stop signal, for as long as the process runs; the ignored
+/// signals are caught (and said once) so that none of them ends the process.
+pub fn shutdown_signals() -> mpsc::UnboundedReceiver<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (number, name) in STOP {
+        let Ok(mut stream) = signal(SignalKind::from_raw(number)) else {
+            tracing::error!("cannot install a {name} handler; stop the sidecar with SIGTERM");
+            continue;
+        };
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                tracing::info!("{name} received");
+                if tx.send(()).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    let realtime = REALTIME.map(|n| (n, "a real-time signal"));
+    for (number, name) in IGNORED.into_iter().chain(realtime) {
+        let Ok(mut stream) = signal(SignalKind::from_raw(number)) else {
+            continue;
+        };
+        tokio::spawn(async move {
+            let mut said = false;
+            while stream.recv().await.is_some() {
+                if !said {
+                    said = true;
+                    tracing::warn!(
+                        signal = number,
+                        "ignoring {name} ({number}): it means nothing to the sidecar; stop it \
+                         with SIGTERM"
+                    );
+                }
+            }
+        });
+    }
+    rx
+}

@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""Side by side behind Dynamo's frontend: Dynamo 1.6.1's TensorRT-LLM sidecar
+and llm-sidecar-dynamo, each in front of the same mock OpenEngine engine.
+
+For each sidecar: streaming completions at a concurrency (tokens/s, time to
+first token and inter-token gaps at p50/p99, the sidecar's CPU seconds and
+peak RSS over the load), then the engine is SIGKILLed with requests going on:
+how long until the worker's records leave discovery, and what the frontend's
+clients got meanwhile. A benchmark, not a test: it asserts nothing.
+
+Usage (after `cargo build --release -p llm-sidecar -p llm-sidecar-dynamo` and
+with Dynamo's frontend installed, as scripts/test.sh does in target/dynamo-venv):
+
+    python3 scripts/dynamo-bench.py [--streams 32] [--tokens 64] [--token-delay 20ms]
+        [--secs 20] [--python target/dynamo-venv/bin/python]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(what, check, limit=60.0):
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    sys.exit(f"timed out waiting for {what}")
+
+
+def get(port, path, timeout=5):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def cpu_seconds(pid):
+    """utime + stime of a process and its threads, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def stream_one(port, model, tokens, prompt):
+    """One streaming completion; (ttft, [gaps], tokens, ok)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    start = time.monotonic()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    arrivals, buf, ok = [], b"", False
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        now = time.monotonic()
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            line = event.split(b"data: ", 1)[-1]
+            if line.strip() == b"[DONE]":
+                ok = True
+                continue
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            text = data.get("choices", [{}])[0].get("text")
+            if text:
+                arrivals.append(now)
+    s.close()
+    if not arrivals:
+        return None, [], 0, False
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return arrivals[0] - start, gaps, len(arrivals), ok
+
+
+def load(port, model, streams, tokens, secs):
+    stop = time.monotonic() + secs
+    ttfts, gaps, counts, failed = [], [], [0], [0]
+    lock = threading.Lock()
+
+    def caller(n):
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            ttft, g, got, ok = stream_one(port, model, tokens, f"w{3 + (n * 7 + i) % 900} w{5 + n}")
+            with lock:
+                if ok and ttft is not None:
+                    ttfts.append(ttft)
+                    gaps.extend(g)
+                    counts[0] += got
+                else:
+                    failed[0] += 1
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - start
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1000 if len(xs) > 2 else float("nan")
+    return {
+        "tokens_per_s": counts[0] / elapsed,
+        "ttft_p50_ms": q(ttfts, 50), "ttft_p99_ms": q(ttfts, 99),
+        "itl_p50_ms": q(gaps, 50), "itl_p99_ms": q(gaps, 99),
+        "requests": len(ttfts), "failed": failed[0], "elapsed_s": elapsed,
+    }
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dir = tempfile.mkdtemp(prefix="dynamo-bench-")
+        self.kv = os.path.join(self.dir, "kv")
+        os.makedirs(self.kv)
+        self.env = dict(os.environ, DYN_FILE_KV=self.kv, HF_HUB_OFFLINE="1")
+        self.env.pop("RUST_LOG", None)
+        self.procs = []
+        self.model = self.tokenizer()
+
+    def tokenizer(self):
+        tok = os.path.join(self.dir, "tokenizer")
+        os.makedirs(tok)
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+        vocab.update({f"w{i}": i for i in range(3, 32000)})
+        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": True} for i, t in enumerate(["<unk>", "<s>", "</s>"])]
+        files = {
+            "tokenizer.json": {"version": "1.0", "truncation": None, "padding": None,
+                               "added_tokens": added, "normalizer": None,
+                               "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+                               "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
+                               "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}},
+            "tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                      "model_max_length": 4096,
+                                      "tokenizer_class": "PreTrainedTokenizerFast",
+                                      "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"},
+            "config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                            "vocab_size": 32000, "max_position_embeddings": 4096, "eos_token_id": 2,
+                            "bos_token_id": 1, "hidden_size": 64, "num_attention_heads": 4,
+                            "num_hidden_layers": 2, "num_key_value_heads": 4,
+                            "intermediate_size": 128},
+        }
+        for name, value in files.items():
+            with open(os.path.join(tok, name), "w") as f:
+                json.dump(value, f)
+        return tok
+
+    def spawn(self, name, argv):
+        log = open(os.path.join(self.dir, f"{name}.log"), "w")
+        p = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.procs.append(p)
+        return p
+
+    def engine(self):
+        grpc, control = free_port(), free_port()
+        p = self.spawn(f"engine-{grpc}", [
+            os.path.join(ROOT, "target/release/llm-sidecar"), "mock-engine", "--kind", "openengine",
+            "--model-id", "tiny", "--token-delay", self.args.token_delay,
+            "--listen", f"127.0.0.1:{grpc}", "--control-listen", f"127.0.0.1:{control}"])
+        wait("the engine", lambda: get(control, "/stats")[0] == 200)
+        return p, grpc
+
+    def instances(self):
+        d = os.path.join(self.kv, "v1", "instances")
+        return os.listdir(d) if os.path.isdir(d) else []
+
+    def sidecar(self, kind, grpc):
+        common = ["--grpc-endpoint", f"127.0.0.1:{grpc}", "--model-path", self.model,
+                  "--discovery-backend", "file", "--request-plane", "tcp"]
+        if kind == "dynamo":
+            argv = [self.args.python, "-m", "dynamo.trtllm.sidecar"] + common
+        else:
+            argv = [os.path.join(ROOT, "target/release/llm-sidecar-dynamo")] + common + [
+                "--admin-listen", f"127.0.0.1:{free_port()}"]
+        before = set(self.instances())
+        p = self.spawn(f"sidecar-{kind}", argv)
+        wait(f"{kind}'s sidecar to register", lambda: set(self.instances()) - before)
+        return p
+
+    def frontend(self):
+        port = free_port()
+        self.spawn("frontend", [self.args.python, "-m", "dynamo.frontend", "--discovery-backend",
+                                "file", "--request-plane", "tcp", "--http-port", str(port)])
+        wait("the frontend", lambda: get(port, "/v1/models")[0] == 200)
+        return port
+
+    def kill_story(self, port, engine, sidecar):
+        """SIGKILL the engine with requests going on; when do the records go,
+        and what did clients get over the next seconds."""
+        statuses, stop = [], [False]
+
+        def prober():
+            while not stop[0]:
+                t = time.monotonic()
+                try:
+                    body = json.dumps({"model": self.model, "prompt": "w7", "max_tokens": 2}).encode()
+                    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=10) as r:
+                        status = r.status
+                except urllib.error.HTTPError as e:
+                    status = e.code
+                except OSError:
+                    status = -1
+                statuses.append((t, status))
+                time.sleep(0.05)
+
+        th = threading.Thread(target=prober)
+        th.start()
+        time.sleep(1)
+        killed = time.monotonic()
+        engine.send_signal(signal.SIGKILL)
+        gone = None
+        while time.monotonic() - killed < self.args.kill_watch:
+            if gone is None and not self.instances():
+                gone = time.monotonic() - killed
+            time.sleep(0.005)
+        stop[0] = True
+        th.join()
+        after = [s for t, s in statuses if t >= killed]
+        counts = {}
+        for s in after:
+            counts[s] = counts.get(s, 0) + 1
+        return {"records_gone_ms": None if gone is None else gone * 1000,
+                "sidecar_exit": sidecar.poll(), "client_statuses_after_kill": counts}
+
+    def run(self):
+        results = {}
+        port = self.frontend()
+        for kind in ["dynamo", "llm-sidecar-dynamo"]:
+            engine, grpc = self.engine()
+            sidecar = self.sidecar(kind, grpc)
+            wait("the model to be served", lambda: self.model in get(port, "/v1/models")[1])
+            load(port, self.model, 4, 8, 2)  # warm up
+            cpu0 = cpu_seconds(sidecar.pid)
+            r = load(port, self.model, self.args.streams, self.args.tokens, self.args.secs)
+            cpu = cpu_seconds(sidecar.pid) - cpu0
+            r["sidecar_cpu_s_per_s"] = cpu / r["elapsed_s"]
+            r["sidecar_peak_rss_mib"] = peak_rss_mib(sidecar.pid)
+            r.update(self.kill_story(port, engine, sidecar))
+            results[kind] = r
+            sidecar.send_signal(signal.SIGTERM)
+            try:
+                sidecar.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                sidecar.kill()
+            for name in os.listdir(os.path.join(self.kv, "v1", "mdc")) if os.path.isdir(
+                    os.path.join(self.kv, "v1", "mdc")) else []:
+                os.remove(os.path.join(self.kv, "v1", "mdc", name))
+            time.sleep(12)  # the frontend forgets the model before the next sidecar comes
+        return results
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if not self.args.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        else:
+            print(f"kept {self.dir}", file=sys.stderr)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--token-delay", default="20ms")
+    ap.add_argument("--secs", type=float, default=20)
+    ap.add_argument("--kill-watch", type=float, default=5.0,
+                    help="seconds to watch the frontend's answers after the kill")
+    ap.add_argument("--python", default=os.path.join(ROOT, "target/dynamo-venv/bin/python"))
+    ap.add_argument("--keep", action="store_true", help="keep the logs")
+    args = ap.parse_args()
+    bench = Bench(args)
+    try:
+        results = bench.run()
+    finally:
+        bench.close()
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
