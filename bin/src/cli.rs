@@ -4,11 +4,10 @@
 //! subcommand's own flags and entry point live in `commands/`.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use llm_sidecar_io::ConfigError;
 use llm_sidecar_io::tls::EtcdTls;
-use llm_sidecar_io::{ConfigError, parse_duration};
 
 use crate::commands::bench::BenchArgs;
 use crate::commands::instances::InstancesArgs;
@@ -136,9 +135,7 @@ pub fn engine_kind(s: &str) -> Result<llm_sidecar_io::engine::EngineKind, String
 }
 
 /// Flag values like `300ms`, `5s`, `2m` (clap's value parser).
-pub fn duration(s: &str) -> Result<Duration, String> {
-    parse_duration(s)
-}
+pub use llm_sidecar_flags::duration;
 
 /// TLS towards etcd (for `--discovery etcd://...`).
 #[derive(Debug, Args)]

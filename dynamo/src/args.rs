@@ -11,6 +11,7 @@ use std::time::Duration;
 use clap::Parser;
 use dynamo_backend_common::{CommonArgs, DisaggregationMode};
 use llm_sidecar_core::OnEngineLoss;
+use llm_sidecar_flags::LifecycleFlags;
 use llm_sidecar_io::discovery::DiscoveryUri;
 use llm_sidecar_io::engine::{EngineChoice, EngineKind};
 use llm_sidecar_io::request_plane::Limits;
@@ -75,33 +76,8 @@ pub struct Args {
     #[arg(long, env = "SIDECAR_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
     pub admin_listen: SocketAddr,
 
-    /// HTTP/2 keepalive ping interval on the engine connection. Must be above
-    /// 10s: engines answer more frequent pings with GOAWAY "too many pings".
-    #[arg(long, env = "SIDECAR_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = duration)]
-    pub keepalive_interval: Duration,
-
-    /// How long a keepalive ping may go unanswered before the engine counts as dead.
-    #[arg(long, env = "SIDECAR_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
-    pub keepalive_timeout: Duration,
-
-    /// How often the stale-load probe (GetLoad) and the identity re-read run.
-    #[arg(long, env = "SIDECAR_PROBE_INTERVAL", default_value = "5s", value_parser = duration)]
-    pub probe_interval: Duration,
-
-    /// No fresh GetLoad answer for this long means the engine is lost (wedged).
-    #[arg(long, env = "SIDECAR_STALE_AFTER", default_value = "30s", value_parser = duration)]
-    pub stale_after: Duration,
-
-    /// After SIGTERM, keep admitting requests this long (frontends may not yet
-    /// have seen the withdrawal). Dynamo's own grace
-    /// (DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS) is not what decides here.
-    #[arg(long, env = "SIDECAR_ROUTER_GRACE", default_value = "5s", value_parser = duration)]
-    pub router_grace: Duration,
-
-    /// Once admission is closed, in-flight requests may take this long; the
-    /// rest are cut with a retryable error.
-    #[arg(long, env = "SIDECAR_DRAIN_TIMEOUT", default_value = "20s", value_parser = duration)]
-    pub drain_timeout: Duration,
+    #[command(flatten)]
+    pub lifecycle: LifecycleFlags,
 
     /// Threads of the async runtime (Dynamo's runtime needs at least two).
     #[arg(long, env = "SIDECAR_WORKER_THREADS", default_value_t = 2,
@@ -220,18 +196,12 @@ impl Args {
                 "needs the model's tokenizer directory or Hugging Face id",
             ));
         }
-        let timings = Timings {
+        let timings = self.lifecycle.timings(Timings {
             connect_attempt_timeout: Duration::from_secs(self.grpc_connect_attempt_timeout_secs),
             retry_interval: Duration::from_secs(self.grpc_retry_interval_secs),
             startup_deadline: Duration::from_secs(self.grpc_startup_deadline_secs),
-            keepalive_interval: self.keepalive_interval,
-            keepalive_timeout: self.keepalive_timeout,
-            probe_interval: self.probe_interval,
-            stale_after: self.stale_after,
-            router_grace: self.router_grace,
-            drain_timeout: self.drain_timeout,
             ..Timings::default()
-        };
+        });
         timings.check()?;
         let run = RunConfig {
             engine_endpoint: engine_address(&self.grpc_endpoint)?,
@@ -273,8 +243,4 @@ impl Args {
             json_logs: self.log_format == "json",
         })
     }
-}
-
-fn duration(s: &str) -> Result<Duration, String> {
-    llm_sidecar_io::parse_duration(s)
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use llm_sidecar_core::OnEngineLoss;
+use llm_sidecar_flags::LifecycleFlags;
 use llm_sidecar_io::discovery::DiscoveryUri;
 use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::tls::ServerTlsFiles;
@@ -69,32 +70,10 @@ pub struct RunArgs {
     /// Start-up (engine ready and registered) must complete within this; else exit 3.
     #[arg(long, env = "SIDECAR_STARTUP_DEADLINE", default_value = "30m", value_parser = duration)]
     pub startup_deadline: Duration,
-    /// HTTP/2 keepalive ping interval on the engine connection. Must be above
-    /// 10s: engines answer more frequent pings with GOAWAY "too many pings".
-    #[arg(long, env = "SIDECAR_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = duration)]
-    pub keepalive_interval: Duration,
-    /// How long a keepalive ping may go unanswered before the connection (and
-    /// the engine) counts as dead.
-    #[arg(long, env = "SIDECAR_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
-    pub keepalive_timeout: Duration,
-    /// How often the stale-load probe (the kind's load RPC: HealthCheck, GetLoad,
-    /// GetLoads) and the identity re-read run.
-    #[arg(long, env = "SIDECAR_PROBE_INTERVAL", default_value = "5s", value_parser = duration)]
-    pub probe_interval: Duration,
     /// How often liveness is polled (Check) for kinds whose Watch ends after one
     /// message (vLLM, SGLang): a NOT_SERVING is noticed within this.
     #[arg(long, env = "SIDECAR_HEALTH_POLL_INTERVAL", default_value = "100ms", value_parser = duration)]
     pub health_poll_interval: Duration,
-    /// No fresh probe answer for this long means the engine is lost (wedged).
-    #[arg(long, env = "SIDECAR_STALE_AFTER", default_value = "30s", value_parser = duration)]
-    pub stale_after: Duration,
-    /// After SIGTERM, keep admitting calls this long (routers may not yet have
-    /// seen the withdrawal).
-    #[arg(long, env = "SIDECAR_ROUTER_GRACE", default_value = "5s", value_parser = duration)]
-    pub router_grace: Duration,
-    /// Once admission is closed, in-flight calls may take this long; the rest are cut.
-    #[arg(long, env = "SIDECAR_DRAIN_TIMEOUT", default_value = "20s", value_parser = duration)]
-    pub drain_timeout: Duration,
     /// After an engine loss (withdrawn, drained): `exit` 1 for the supervisor
     /// to restart the sidecar, or `rejoin`: wait for the engine again and
     /// register anew under a new instance id, in the same process, for
@@ -153,6 +132,8 @@ pub struct RunArgs {
     #[arg(long, env = "SIDECAR_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
     #[command(flatten)]
+    pub lifecycle: LifecycleFlags,
+    #[command(flatten)]
     pub etcd_tls: EtcdTlsArgs,
     /// Threads of the async runtime. One is the default, on tokio's
     /// current-thread scheduler: the sidecar's work is small beside the
@@ -170,19 +151,14 @@ impl RunArgs {
     /// Checks every flag and builds the settings, or says what is wrong.
     pub fn into_config(self) -> Result<RunConfig, ConfigError> {
         let engine = self.engine_kind.choice();
-        let timings = Timings {
+        let timings = self.lifecycle.timings(Timings {
             connect_attempt_timeout: self.connect_attempt_timeout,
             retry_interval: self.retry_interval,
             startup_deadline: self.startup_deadline,
-            keepalive_interval: self.keepalive_interval,
-            keepalive_timeout: self.keepalive_timeout,
-            probe_interval: self.probe_interval,
             health_poll_interval: self.health_poll_interval,
-            stale_after: self.stale_after,
-            router_grace: self.router_grace,
-            drain_timeout: self.drain_timeout,
             lease_ttl: self.lease_ttl,
-        };
+            ..Timings::default()
+        });
         timings.check()?;
         let advertise = match self.advertise {
             Some(a) => parse_host_port("--advertise", &a)?,

@@ -187,25 +187,9 @@ fn loss_moves_traffic_to_the_other_worker(name: &str, lose: impl FnOnce(&mut Set
         s.store.keys_of(&s.ids[0]).is_empty()
     });
     let withdrawn_after = lost_at.elapsed();
-    let code = s.workers[0].proc.wait_exit(HANG);
-    let log = s.workers[0].proc.log_text();
-    assert_eq!(code, 1, "exit code after the loss; log:\n{log}");
-    let loss: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains(" engine lost: "))
-        .collect();
-    assert_eq!(loss.len(), 1, "one loss line; log:\n{log}");
-    assert!(
-        loss[0].contains(reason),
-        "loss reason {reason:?} in {}",
-        loss[0]
-    );
-    assert!(
-        loss[0].ends_with(&format!("(instance {engine_instance})")),
-        "the loss line names the engine's instance: {}",
-        loss[0]
-    );
-    s.workers[0].proc.assert_withdrawn_before_exit(1);
+    s.workers[0]
+        .proc
+        .assert_engine_lost("TensorRT-LLM", &engine_instance, reason);
     // The frontend hears of the removal through its discovery watch.
     std::thread::sleep(FRONTEND_SETTLE);
     let served_before = s.engines[1].stats()["generate_started"]

@@ -74,25 +74,9 @@ pub fn assert_engine_lost(
     instance: &str,
     reason_prefix: &str,
 ) -> String {
-    let code = sidecar.proc.wait_exit(HANG);
-    let log = sidecar.proc.log_text();
-    assert_eq!(code, 1, "exit code after an engine loss; log:\n{log}");
-    let lines: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains(" engine lost: "))
-        .collect();
-    assert_eq!(lines.len(), 1, "one loss line; log:\n{log}");
-    let line = lines[0].to_string();
-    assert!(line.contains("ERROR"), "loss is logged at ERROR: {line}");
-    assert!(
-        line.contains(&format!("{engine} engine lost: {reason_prefix}")),
-        "loss {engine:?} {reason_prefix:?} in {line}"
-    );
-    assert!(
-        line.ends_with(&format!("(instance {instance})")),
-        "instance id {instance} in {line}"
-    );
-    sidecar.proc.assert_withdrawn_before_exit(1);
+    let line = sidecar
+        .proc
+        .assert_engine_lost(engine, instance, reason_prefix);
     assert!(sidecar.records().is_empty(), "no record is left behind");
     line
 }

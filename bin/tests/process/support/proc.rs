@@ -156,6 +156,37 @@ impl Proc {
         );
     }
 
+    /// Checks a loss the way an operator would: the process exits 1, its log
+    /// has one ERROR line `<engine> engine lost: <reason…> (instance
+    /// <instance>)`, and the withdrawal is logged before the exit. Returns the line.
+    pub fn assert_engine_lost(
+        &mut self,
+        engine: &str,
+        instance: &str,
+        reason_prefix: &str,
+    ) -> String {
+        let code = self.wait_exit(HANG);
+        let log = self.log_text();
+        assert_eq!(code, 1, "exit code after an engine loss; log:\n{log}");
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(" engine lost: "))
+            .collect();
+        assert_eq!(lines.len(), 1, "one loss line; log:\n{log}");
+        let line = lines[0].to_string();
+        assert!(line.contains("ERROR"), "loss is logged at ERROR: {line}");
+        assert!(
+            line.contains(&format!("{engine} engine lost: {reason_prefix}")),
+            "loss {engine:?} {reason_prefix:?} in {line}"
+        );
+        assert!(
+            line.ends_with(&format!("(instance {instance})")),
+            "instance id {instance} in {line}"
+        );
+        self.assert_withdrawn_before_exit(1);
+        line
+    }
+
     pub fn wait_for_line(&self, needle: &str, limit: Duration) -> String {
         let mut found = None;
         wait_until(
