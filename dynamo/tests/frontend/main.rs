@@ -342,3 +342,48 @@ fn etcd_discovery_registers_serves_and_withdraws_both_keys() {
         s.store.keys()
     );
 }
+
+#[test]
+fn bad_flags_exit_2_before_anything_is_contacted() {
+    let dir = TempDir::new("dyn-flags");
+    let kv = dir.0.join("kv");
+    for bad in [
+        vec!["--grpc-endpoint", "no-port", "--model-path", "/m"],
+        vec![
+            "--grpc-endpoint",
+            "127.0.0.1:1",
+            "--model-path",
+            "/m",
+            "--disaggregation-mode",
+            "prefill",
+        ],
+        vec![
+            "--grpc-endpoint",
+            "127.0.0.1:1",
+            "--model-path",
+            "/m",
+            "--discovery-backend",
+            "mem",
+        ],
+        vec![
+            "--grpc-endpoint",
+            "127.0.0.1:1",
+            "--model-path",
+            "/m",
+            "--keepalive-interval",
+            "5s",
+        ],
+        vec!["--grpc-endpoint", "127.0.0.1:1"],
+    ] {
+        let out = std::process::Command::new(worker_binary())
+            .args(&bad)
+            .env("DYN_FILE_KV", &kv)
+            .env("DYN_DISCOVERY_BACKEND", "file")
+            .output()
+            .expect("run the worker");
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(said.contains("error"), "{bad:?} says what is wrong: {said}");
+        assert!(!kv.exists(), "{bad:?} touched discovery");
+    }
+}
