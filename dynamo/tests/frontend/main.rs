@@ -241,22 +241,17 @@ fn an_ended_liveness_watch_takes_its_worker_out_of_discovery() {
 /// exits 0, and both of its records are gone (Dynamo's own sidecar leaves its
 /// model card behind to expire).
 fn sigterm_drains_and_leaves_nothing(s: &Setup) {
-    let mut stream = s.frontend.open_post(
+    // The first token has arrived: the request is in flight.
+    let (mut stream, first) = s.frontend.open_stream(
         "/v1/completions",
         &completion(&s.model, "w30 w31", 200, true),
     );
-    // The first token has arrived: the request is in flight.
-    let mut first = [0u8; 256];
-    let n = stream
-        .read(&mut first)
-        .expect("the first bytes of the answer");
-    assert!(n > 0);
     s.workers[0].proc.signal("TERM");
     let mut rest = Vec::new();
     stream
         .read_to_end(&mut rest)
         .expect("the rest of the answer");
-    let mut raw = first[..n].to_vec();
+    let mut raw = first;
     raw.extend(rest);
     let (status, body) = parse_response(&raw);
     assert_eq!(status, 200, "{body}");
@@ -292,15 +287,10 @@ fn sigterm_lets_a_request_in_flight_finish_and_leaves_no_record() {
 #[test]
 fn a_client_that_disconnects_mid_stream_makes_the_worker_abort_the_engine_call() {
     let s = Setup::start("dyn-abort", 1, false, "20ms");
-    let mut stream = s.frontend.open_post(
+    let (stream, _) = s.frontend.open_stream(
         "/v1/chat/completions",
         &chat(&s.model, "w40 w41 w42", 500, true),
     );
-    let mut first = [0u8; 256];
-    let n = stream
-        .read(&mut first)
-        .expect("the first bytes of the answer");
-    assert!(n > 0);
     let id = s.engines[0].stats()["asked"][0]["request_id"]
         .as_str()
         .expect("the engine saw the request")

@@ -247,6 +247,18 @@ impl Frontend {
         parse_response(&raw)
     }
 
+    /// Sends a streaming `POST path` and waits for the answer's first bytes
+    /// (the request is in flight); returns the connection and those bytes.
+    pub fn open_stream(&self, path: &str, body: &serde_json::Value) -> (TcpStream, Vec<u8>) {
+        let mut stream = self.open_post(path, body);
+        let mut first = [0u8; 256];
+        let n = stream
+            .read(&mut first)
+            .expect("the first bytes of the answer");
+        assert!(n > 0, "the frontend answered {path}");
+        (stream, first[..n].to_vec())
+    }
+
     /// Sends `POST path` and returns the connection, to read (or drop) as it comes.
     pub fn open_post(&self, path: &str, body: &serde_json::Value) -> TcpStream {
         let mut s = TcpStream::connect(self.http).expect("connect to the frontend");
