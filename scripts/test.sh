@@ -58,9 +58,10 @@ fi
 log "cargo fmt --check"
 cargo fmt --all -- --check
 
-# llm-sidecar-dynamo pulls in Dynamo's ~900 crates (16 min to build in debug
-# and 7 more to lint on these 2-core machines): its own step, at the end, when
-# LLM_SIDECAR_DYNAMO=1 (docs/DYNAMO.md, "Tests").
+# llm-sidecar-dynamo pulls in Dynamo's ~900 crates: linting and building them
+# adds about 18 minutes to this run on a 2-core machine (and ~10 GB of target
+# directory), so they are their own step, at the end, with LLM_SIDECAR_DYNAMO=1
+# (docs/DYNAMO.md, "Tests").
 log "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --exclude llm-sidecar-dynamo --all-targets --locked -- -D warnings
 
