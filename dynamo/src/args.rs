@@ -101,8 +101,6 @@ pub struct Settings {
     pub context_length: Option<u32>,
     /// The flag's default thinking mode, if given.
     pub default_thinking_mode: Option<String>,
-    /// Engine connections for Generate calls.
-    pub grpc_connections: u32,
     /// Runtime threads.
     pub worker_threads: u16,
     /// JSON log lines.
@@ -238,7 +236,6 @@ impl Args {
             model_path: self.model_path,
             context_length: self.context_length,
             default_thinking_mode: self.default_thinking_mode,
-            grpc_connections: self.grpc_connections,
             worker_threads: self.worker_threads,
             json_logs: self.log_format == "json",
         })

@@ -85,7 +85,7 @@ fn worker_config(s: &Settings) -> WorkerConfig {
 async fn serve(settings: Settings) -> i32 {
     let timings = settings.run.timings.clone();
     let channel_settings = timings.engine_channel();
-    let channels: Result<Vec<_>, _> = (0..settings.grpc_connections)
+    let channels: Result<Vec<_>, _> = (0..settings.run.limits.engine_connections)
         .map(|_| {
             engine::endpoint(&settings.run.engine_endpoint, channel_settings)
                 .map(|e| e.connect_lazy())

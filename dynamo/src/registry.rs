@@ -208,16 +208,16 @@ impl Discovery for DynamoRegistry {
         };
         // A worker from an attempt that timed out may still be coming up; a
         // finished one is replaced.
-        let finished = self
-            .running()
-            .as_ref()
-            .is_some_and(|r| r.worker.is_finished());
-        if finished && let Some(old) = self.running().take() {
-            old.watch.cancel();
-        }
-        if self.running().is_none() {
-            let running = self.start_worker(record, calls);
-            *self.running() = Some(running);
+        {
+            let mut running = self.running();
+            if running.as_ref().is_some_and(|r| r.worker.is_finished())
+                && let Some(old) = running.take()
+            {
+                old.watch.cancel();
+            }
+            if running.is_none() {
+                *running = Some(self.start_worker(record, calls));
+            }
         }
         loop {
             if let (true, cards) = self.ours().await?
@@ -267,24 +267,21 @@ impl Discovery for DynamoRegistry {
         let discovery = self.drt.discovery();
         loop {
             let (instance, cards) = self.ours().await?;
+            if !instance && cards.is_empty() {
+                return Ok(());
+            }
+            if instance && self.running().is_none() {
+                // Nothing of ours runs, so nothing but us would remove it.
+                return Err(DiscoveryError::Unsupported(
+                    "an instance record with this worker's id is there, and no worker runs".into(),
+                ));
+            }
             // Dynamo's worker leaves its model card to expire with its lease;
             // the card goes now, so no frontend lists a model nobody serves.
             for card in cards {
                 if let Err(e) = discovery.unregister(card).await {
                     tracing::debug!("model card removal failed, retrying: {e:#}");
                 }
-            }
-            if !instance {
-                let (instance, cards) = self.ours().await?;
-                if !instance && cards.is_empty() {
-                    return Ok(());
-                }
-            } else if self.running().is_none() {
-                // Registered by an earlier process with this id cannot be;
-                // nothing of ours runs, so nothing will remove it but us.
-                return Err(DiscoveryError::Unsupported(
-                    "an instance record with this worker's id is there, and no worker runs".into(),
-                ));
             }
             tokio::time::sleep(SETTLE_POLL).await;
         }
