@@ -446,6 +446,13 @@ fn paced_latency_side_by_side() {
         "\nllm-sidecar peak RSS over the run: {:.1} MiB",
         peak_rss_of(&[sidecar.proc.pid()]) as f64 / 1024.0
     );
+    if let Some(b) = &baseline {
+        let _ = writeln!(
+            report,
+            "llm-sidecar baseline peak RSS over the run: {:.1} MiB",
+            peak_rss_of(&[b.proc.pid()]) as f64 / 1024.0
+        );
+    }
     if nginx.is_none() {
         let _ = writeln!(
             report,

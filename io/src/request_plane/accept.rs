@@ -153,12 +153,17 @@ where
         service_fn(move |req| {
             watched.call_started();
             let (plane, watched) = (plane.clone(), watched.clone());
-            async move {
+            // Boxed: hyper keeps each stream's task at the size of this future
+            // for the whole call, though the future is done once the response
+            // headers are; in a box its kilobytes are freed then, and a
+            // streaming call holds only its body (docs/PERFORMANCE.md,
+            // "Memory per stream").
+            Box::pin(async move {
                 let response = super::forward::handle(plane, req).await?;
                 Ok::<_, std::convert::Infallible>(
                     response.map(|body| Body::new(CountedBody { body, watched })),
                 )
-            }
+            })
         })
     };
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::TokioTimer;
 use tonic::body::Body;
 
 use crate::engine::{
@@ -98,13 +98,35 @@ impl Drop for Lease {
     }
 }
 
+/// Hyper's executor for the engine connections: spawns each future in a box.
+///
+/// Why: hyper spawns, for every call, a task that pipes the request body to the
+/// engine and one that waits for the response headers, and both are its one
+/// future type, as large as the whole connection (1.6 KiB). A tokio task's
+/// memory is freed only when the last waker of it is gone, and the pipe leaves
+/// its waker in the call's h2 stream until the call ends: spawned as they are,
+/// 1.6 KiB stay per streaming call. Boxed, the future is freed when it
+/// completes and what stays is the task's header (docs/PERFORMANCE.md, "Memory
+/// per stream").
+#[derive(Clone, Copy)]
+struct SpawnBoxed;
+
+impl<F> hyper::rt::Executor<F> for SpawnBoxed
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    fn execute(&self, future: F) {
+        tokio::spawn(Box::pin(future));
+    }
+}
+
 /// Opens one HTTP/2 connection to the engine, bounded by the connect
 /// timeout, with the keepalive and windows of every engine connection.
 async fn connect(target: &Target) -> Result<SendRequest<Body>, SendError> {
     let settings = target.settings;
     let handshake = async {
         let io = crate::engine::open_connection(&target.address, target.limit.clone()).await?;
-        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        let (sender, connection) = hyper::client::conn::http2::Builder::new(SpawnBoxed)
             .timer(TokioTimer::new())
             .keep_alive_interval(settings.keepalive_interval)
             .keep_alive_timeout(settings.keepalive_timeout)
