@@ -12,8 +12,9 @@
 #           up); writes target/profile/massif.out and prints ms_print's summary
 #
 # usage: scripts/profile.sh stat|record|massif [streams] [connections] [sidecar-binary]
-#   streams (512), connections (streams/64, at least 1), binary
-#   (target/release/llm-sidecar, built if missing; another build compares two).
+#   streams (512), connections (streams/64, at least 1), binary (the sidecar
+#   to look at: target/release/llm-sidecar, built if missing, or another build,
+#   to compare two).
 # Knobs: PACE (20ms; massif: 500ms), TOKENS (64), PORT_BASE (27050: four ports
 # from it, below the ephemeral range).
 set -euo pipefail
@@ -30,9 +31,11 @@ case "$mode" in
   massif) pace=${PACE:-500ms} ;;
   *) echo "unknown mode '$mode': stat, record or massif" >&2; exit 2 ;;
 esac
-[ -x "$bin" ] || cargo build --release --locked -p llm-sidecar
+# The mock engine and the load come from this checkout's build; the sidecar
+# profiled may be another build.
 tool=target/release/llm-sidecar
 [ -x "$tool" ] || cargo build --release --locked -p llm-sidecar
+[ -x "$bin" ] || { echo "no sidecar binary at $bin" >&2; exit 2; }
 need=()
 command -v perf >/dev/null 2>&1 || need+=(linux-perf)
 [ "$mode" = massif ] && ! command -v valgrind >/dev/null 2>&1 && need+=(valgrind)
