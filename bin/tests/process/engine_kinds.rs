@@ -372,6 +372,11 @@ fn openengine_restarted_on_the_same_port_is_a_loss_by_its_new_instance_id() {
         &["--no-health"],
         &["--stale-after", "30s"],
     );
+    // Until the Watch has had its UNIMPLEMENTED answer, a failing stream is
+    // (rightly) a loss of its own: kill the engine only once it is unwatched.
+    sidecar
+        .proc
+        .wait_for_line("does not serve grpc.health.v1", HANG);
     let old = mock.stats()["instance_id"]
         .as_str()
         .expect("id")
@@ -405,6 +410,12 @@ fn openengine_connection_cut_is_reconnected_not_a_loss() {
     let relay = Relay::start(mock.grpc);
     let mut sidecar = Sidecar::start(&dir.0, relay.addr, &[]);
     sidecar.wait_serving();
+    // Serving opens the Watch; a cut before its UNIMPLEMENTED answer is a
+    // failed liveness stream, which is a loss (docs/CONTRACT.md, the liveness
+    // table). Cut only the connection of an engine whose liveness is unwatched.
+    sidecar
+        .proc
+        .wait_for_line("does not serve grpc.health.v1", HANG);
     relay.cut();
     std::thread::sleep(Duration::from_secs(2));
     assert!(
