@@ -416,6 +416,12 @@ fn openengine_connection_cut_is_reconnected_not_a_loss() {
     sidecar
         .proc
         .wait_for_line("does not serve grpc.health.v1", HANG);
+    // A call first, so the request plane's own engine connection is open and
+    // is cut too: the call after the cut must get a new one.
+    assert_eq!(
+        rt().block_on(generate(OPENENGINE, sidecar.listen, "before-cut", 4)),
+        Ok(4)
+    );
     relay.cut();
     std::thread::sleep(Duration::from_secs(2));
     assert!(

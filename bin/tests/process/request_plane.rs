@@ -544,3 +544,80 @@ fn a_client_stream_reaches_the_engine_whole_and_its_answer_comes_back() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// A call streaming from an engine whose connection went silent (a partition,
+/// a stuck middlebox) ends within the keepalive window of the request plane's
+/// own engine connection: UNAVAILABLE, retryable, while the worker serves on.
+/// Liveness is unwatched here and the stale-load window is 120 s, so only that
+/// keepalive can end the call; without it the call would hang as long as the
+/// silence.
+#[test]
+fn a_call_on_a_silent_engine_connection_fails_within_the_keepalive_window() {
+    let dir = TempDir::new("rp-keepalive");
+    let mock = Mock::start(
+        &dir.0,
+        free_addr(),
+        &["--no-health", "--token-delay", "50ms"],
+    );
+    let relay = crate::support::relay::Relay::start(mock.grpc);
+    let mut sidecar = Sidecar::start(
+        &dir.0,
+        relay.addr,
+        &[
+            "--keepalive-interval",
+            "11s",
+            "--keepalive-timeout",
+            "2s",
+            "--stale-after",
+            "120s",
+        ],
+    );
+    sidecar.wait_serving();
+    sidecar
+        .proc
+        .wait_for_line("does not serve grpc.health.v1", HANG);
+    let (status, silent_for) = rt().block_on(async {
+        let mut c = client(sidecar.listen).await;
+        let mut stream = c
+            .generate(generate("on-silence", 4, 100_000))
+            .await
+            .expect("start")
+            .into_inner();
+        stream.message().await.expect("chunk").expect("a chunk");
+        relay.set_silent(true);
+        let silenced = Instant::now();
+        let ended = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match stream.message().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => panic!("the call ended OK on a silent engine"),
+                    Err(status) => return status,
+                }
+            }
+        })
+        .await
+        .expect("the call ended; it hung on the silent connection");
+        (ended, silenced.elapsed())
+    });
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().starts_with("engine stream failed: "),
+        "{status:?}"
+    );
+    assert!(
+        silent_for < Duration::from_secs(11 + 2 + 10),
+        "within interval + timeout (+ slack), far below the 120 s stale-load window: {silent_for:?}"
+    );
+    relay.set_silent(false);
+    assert_eq!(
+        sidecar.state()["state"],
+        "Serving",
+        "a failed call is no loss"
+    );
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_failed\"}"),
+        Some(1.0)
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -5,28 +5,38 @@
 //! caller's call wait behind it in h2's queue. Each call goes to the
 //! connection with the fewest of the sidecar's calls on it.
 //!
-//! Each connection is hyper's HTTP/2 client connection itself, not a tonic
-//! `Channel`: a `Channel` puts every call through a buffer task before
-//! hyper's, one more task hop on the way to the engine for each new call,
-//! which under load is a wait behind every relay the runtime has queued
-//! (docs/PERFORMANCE.md, "Paced"). A connection that closed (the engine went
-//! away) is opened again by the next call that leases it.
+//! Each connection is an `h2` client connection of its own, driven by one
+//! task, with no HTTP layer above it: a call opens its engine stream from its
+//! own task and moves its request and response frames there itself. A tonic
+//! `Channel` puts every call through a buffer task before hyper's, and hyper's
+//! client adds per call a task that waits for the response headers and one that
+//! pipes the request body, each one more hop through the runtime's queue on the
+//! way to the first token (docs/PERFORMANCE.md, "The engine side on h2"). A
+//! connection that closed (the engine went away) is opened again by the next
+//! call that leases it.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use hyper::body::Incoming;
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::TokioTimer;
-use tonic::body::Body;
+use bytes::Bytes;
+use h2::SendStream;
+use h2::client::{ResponseFuture, SendRequest};
 
 use crate::engine::{
     ChannelSettings, ENGINE_CONNECTION_WINDOW, ENGINE_MAX_HEADER_LIST_BYTES, ENGINE_STREAM_WINDOW,
     StreamLimit,
 };
 
-/// Why a call could not be sent to the engine, or its answer not read.
+/// Why a call could not be sent to the engine.
 pub(crate) type SendError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How many streams a new connection opens before the engine's SETTINGS say
+/// how many it takes (hyper's default; h2's own is unlimited).
+const INITIAL_MAX_SEND_STREAMS: usize = 100;
+
+/// How much request data one engine stream may hold unsent (hyper's default).
+const MAX_SEND_BUFFER_BYTES: usize = 1 << 20;
 
 /// Where and how every connection of the pool is opened.
 struct Target {
@@ -38,12 +48,19 @@ struct Target {
     limit: StreamLimit,
 }
 
+/// An open engine connection: the handle calls open streams with, and whether
+/// the task driving it has ended.
+struct Open {
+    sender: SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
+}
+
 /// One engine connection and the calls on it.
 #[derive(Default)]
 struct Pooled {
     /// The open connection; `None` before the first call and after it closed.
     /// An async lock: the first of many calls opens it, the others wait.
-    sender: tokio::sync::Mutex<Option<SendRequest<Body>>>,
+    sender: tokio::sync::Mutex<Option<Open>>,
     open: AtomicU32,
 }
 
@@ -61,34 +78,49 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
-    /// Sends `request` to the engine on this connection (opening it first if
-    /// it is not open) and waits for the answer's headers.
+    /// Opens the call's stream to the engine on this connection (opening the
+    /// connection first if it is not open) and sends `request`'s headers, with
+    /// END_STREAM when `end_of_stream`. The answer's headers come through the
+    /// [`ResponseFuture`]; the request's body, if any, goes into the stream.
     pub(crate) async fn send(
         &self,
-        mut request: http::Request<Body>,
-    ) -> Result<http::Response<Incoming>, SendError> {
-        let mut sender = self.sender().await?;
+        mut request: http::Request<()>,
+        end_of_stream: bool,
+    ) -> Result<(ResponseFuture, SendStream<Bytes>), SendError> {
+        let (sender, closed) = self.sender().await?;
         // HTTP/2 needs the origin; the caller's request carries its own path.
         let mut parts = request.uri().clone().into_parts();
         parts.scheme = Some(http::uri::Scheme::HTTP);
         parts.authority = Some(self.target.origin.clone());
         *request.uri_mut() = http::Uri::from_parts(parts)?;
-        sender.ready().await?;
-        Ok(sender.send_request(request).await?)
+        let mut sender = match sender.ready().await {
+            Ok(sender) => sender,
+            Err(e) if e.is_go_away() || e.is_io() => {
+                // The connection went away (GOAWAY, or broken) before its task
+                // said so; nothing was sent yet, so the call goes on a new one.
+                closed.store(true, Ordering::Release);
+                let (fresh, _) = self.sender().await?;
+                fresh.ready().await?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(sender.send_request(request, end_of_stream)?)
     }
 
-    /// The connection's sender, opened if it is not (or no longer) open.
-    async fn sender(&self) -> Result<SendRequest<Body>, SendError> {
+    /// The connection's sender and its closed flag, opened if it is not (or
+    /// no longer) open.
+    async fn sender(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), SendError> {
         let mut slot = self.pooled.sender.lock().await;
-        if let Some(sender) = slot.as_ref()
-            && !sender.is_closed()
+        if let Some(open) = slot.as_ref()
+            && !open.closed.load(Ordering::Acquire)
         {
-            return Ok(sender.clone());
+            return Ok((open.sender.clone(), open.closed.clone()));
         }
         *slot = None;
-        let sender = connect(&self.target).await?;
-        *slot = Some(sender.clone());
-        Ok(sender)
+        let open = connect(&self.target).await?;
+        let handles = (open.sender.clone(), open.closed.clone());
+        *slot = Some(open);
+        Ok(handles)
     }
 }
 
@@ -98,47 +130,27 @@ impl Drop for Lease {
     }
 }
 
-/// Hyper's executor for the engine connections: spawns each future in a box.
-///
-/// Why: hyper spawns, for every call, a task that pipes the request body to the
-/// engine and one that waits for the response headers, and both are its one
-/// future type, as large as the whole connection (1.6 KiB). A tokio task's
-/// memory is freed only when the last waker of it is gone, and the pipe leaves
-/// its waker in the call's h2 stream until the call ends: spawned as they are,
-/// 1.6 KiB stay per streaming call. Boxed, the future is freed when it
-/// completes and what stays is the task's header (docs/PERFORMANCE.md, "Memory
-/// per stream").
-#[derive(Clone, Copy)]
-struct SpawnBoxed;
-
-impl<F> hyper::rt::Executor<F> for SpawnBoxed
-where
-    F: std::future::Future<Output = ()> + Send + 'static,
-{
-    fn execute(&self, future: F) {
-        tokio::spawn(Box::pin(future));
-    }
-}
-
 /// Opens one HTTP/2 connection to the engine, bounded by the connect
-/// timeout, with the keepalive and windows of every engine connection.
-async fn connect(target: &Target) -> Result<SendRequest<Body>, SendError> {
+/// timeout, with the windows of every engine connection, and spawns the task
+/// that drives it and pings the engine every keepalive interval.
+async fn connect(target: &Target) -> Result<Open, SendError> {
     let settings = target.settings;
     let handshake = async {
-        let io = crate::engine::open_connection(&target.address, target.limit.clone()).await?;
-        let (sender, connection) = hyper::client::conn::http2::Builder::new(SpawnBoxed)
-            .timer(TokioTimer::new())
-            .keep_alive_interval(settings.keepalive_interval)
-            .keep_alive_timeout(settings.keepalive_timeout)
-            .keep_alive_while_idle(true)
-            .max_header_list_size(ENGINE_MAX_HEADER_LIST_BYTES)
+        let io = crate::engine::open_connection(&target.address, target.limit.clone())
+            .await?
+            .into_inner();
+        let handshake = h2::client::Builder::new()
+            .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
+            .initial_window_size(ENGINE_STREAM_WINDOW)
             .initial_connection_window_size(ENGINE_CONNECTION_WINDOW)
-            .initial_stream_window_size(ENGINE_STREAM_WINDOW)
-            .handshake::<_, Body>(io)
+            .max_header_list_size(ENGINE_MAX_HEADER_LIST_BYTES)
+            .max_send_buffer_size(MAX_SEND_BUFFER_BYTES)
+            .enable_push(false)
+            .handshake::<_, Bytes>(io)
             .await?;
-        Ok::<_, SendError>((sender, connection))
+        Ok::<_, SendError>(handshake)
     };
-    let (sender, connection) = tokio::time::timeout(settings.connect_timeout, handshake)
+    let (sender, mut connection) = tokio::time::timeout(settings.connect_timeout, handshake)
         .await
         .map_err(|_| {
             format!(
@@ -146,12 +158,59 @@ async fn connect(target: &Target) -> Result<SendRequest<Body>, SendError> {
                 llm_sidecar_core::HumanDuration(settings.connect_timeout)
             )
         })??;
+    let closed = Arc::new(AtomicBool::new(false));
+    let ended = closed.clone();
+    let ping_pong = connection.ping_pong();
     tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!("request plane: an engine connection ended: {e}");
-        }
+        let keepalive = keep_alive(
+            ping_pong,
+            settings.keepalive_interval,
+            settings.keepalive_timeout,
+        );
+        let how = tokio::select! {
+            result = &mut connection => match result {
+                Ok(()) => "closed".to_string(),
+                Err(e) => crate::report::error_chain(&e),
+            },
+            why = keepalive => why,
+        };
+        ended.store(true, Ordering::Release);
+        // Dropping the connection fails every stream still on it, so their
+        // calls end (UNAVAILABLE, retryable) instead of waiting on a dead peer.
+        drop(connection);
+        tracing::debug!("request plane: an engine connection ended: {how}");
     });
-    Ok(sender)
+    Ok(Open { sender, closed })
+}
+
+/// Pings the engine every `interval` and returns why the connection must be
+/// given up: a ping that could not be sent or had no answer within `timeout`
+/// (a frozen engine or a silent network).
+async fn keep_alive(
+    ping_pong: Option<h2::PingPong>,
+    interval: Duration,
+    timeout: Duration,
+) -> String {
+    let Some(mut ping_pong) = ping_pong else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(interval).await;
+        if let Err(e) = ping_pong.send_ping(h2::Ping::opaque()) {
+            return format!("keepalive ping not sent: {e}");
+        }
+        let pong = std::future::poll_fn(|cx| ping_pong.poll_pong(cx));
+        match tokio::time::timeout(timeout, pong).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return format!("keepalive ping failed: {e}"),
+            Err(_) => {
+                return format!(
+                    "keepalive ping unanswered for {}",
+                    llm_sidecar_core::HumanDuration(timeout)
+                );
+            }
+        }
+    }
 }
 
 impl EnginePool {

@@ -5,11 +5,12 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
+use h2::{RecvStream, SendStream};
 use http_body::{Body as HttpBody, Frame};
 use hyper::body::Incoming;
 use tokio_util::sync::WaitForCancellationFutureOwned;
@@ -98,19 +99,14 @@ async fn refuse(plane: &Plane, mut body: Incoming) -> http::Response<Body> {
     status_response(Code::Unavailable, "draining")
 }
 
-/// Set by the request body when the caller sent a message over the limit; the
-/// response side reads it to tell "too large" from an engine failure.
-#[derive(Default)]
-struct TooLargeFlag(AtomicBool);
-
-impl TooLargeFlag {
-    fn raise(&self) {
-        self.0.store(true, Ordering::Release);
-    }
-
-    fn raised(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
+/// Why a call ended before the engine's answer headers were passed on.
+enum Unanswered {
+    /// The engine stream could not be opened, or failed before its headers.
+    Engine(String),
+    /// The caller sent a message over the limit.
+    TooLarge,
+    /// The caller's request failed (it reset its stream): nobody to answer.
+    CallerGone,
 }
 
 async fn forward(
@@ -119,17 +115,44 @@ async fn forward(
     mut guard: InFlight,
 ) -> http::Response<Body> {
     let deadline = grpc_timeout(req.headers()).map(|d| tokio::time::Instant::now() + d);
-    let too_large = Arc::new(TooLargeFlag::default());
     let (parts, incoming) = req.into_parts();
-    let request_body = RequestBody {
-        inner: incoming,
-        plane: plane.clone(),
-        limiter: MessageLimiter::new(plane.limits.max_message_bytes),
-        too_large: too_large.clone(),
-        bytes: 0,
+    let end_of_stream = incoming.is_end_stream();
+    let request = http::Request::from_parts(parts, ());
+    let lease = &guard.lease;
+    let limits = plane.limits;
+    let counters = plane.clone();
+    let call = async move {
+        let (mut answer, engine_stream) = lease
+            .send(request, end_of_stream)
+            .await
+            .map_err(|e| Unanswered::Engine(crate::report::error_chain(e.as_ref())))?;
+        let mut pump = (!end_of_stream).then(|| RequestPump {
+            inner: incoming,
+            engine: engine_stream,
+            held: None,
+            limiter: MessageLimiter::new(limits.max_message_bytes),
+            plane: counters,
+            bytes: 0,
+        });
+        // The request goes out while the answer's headers are awaited; a
+        // request still streaming once they came goes on in the response body.
+        let head = std::future::poll_fn(|cx| {
+            if let Some(request) = pump.as_mut()
+                && let Poll::Ready(end) = request.poll_send(cx)
+            {
+                match end {
+                    PumpEnd::Sent | PumpEnd::EngineGone => pump = None,
+                    PumpEnd::TooLarge => return Poll::Ready(Err(Unanswered::TooLarge)),
+                    PumpEnd::CallerGone => return Poll::Ready(Err(Unanswered::CallerGone)),
+                }
+            }
+            Pin::new(&mut answer)
+                .poll(cx)
+                .map_err(|e| Unanswered::Engine(crate::report::error_chain(&e)))
+        })
+        .await?;
+        Ok::<_, Unanswered>((head, pump))
     };
-    let request = http::Request::from_parts(parts, Body::new(request_body));
-    let call = guard.lease.send(request);
     let until_deadline = async {
         match deadline {
             Some(at) => tokio::time::sleep_until(at).await,
@@ -149,7 +172,7 @@ async fn forward(
         }
     };
     match response {
-        Ok(response) => {
+        Ok((response, pump)) => {
             let (parts, body) = response.into_parts();
             let header_limit = plane.limits.max_header_list_bytes;
             if header_list_size(&parts.headers) > header_limit as usize {
@@ -173,25 +196,29 @@ async fn forward(
             }
             let body = ResponseBody {
                 inner: Some(body),
+                data_done: false,
+                pump,
                 header_limit,
                 cut: Box::pin(cut.cancelled_owned()),
                 deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
                 limiter: MessageLimiter::new(plane.limits.max_message_bytes),
-                too_large,
                 guard,
             };
             http::Response::from_parts(parts, Body::new(body))
         }
-        Err(e) => {
-            if too_large.raised() {
-                guard.call.set_outcome(CallOutcome::TooLarge);
-                return status_response(
-                    Code::ResourceExhausted,
-                    &too_large_message(plane.limits.max_message_bytes),
-                );
-            }
+        Err(Unanswered::TooLarge) => {
+            guard.call.set_outcome(CallOutcome::TooLarge);
+            status_response(
+                Code::ResourceExhausted,
+                &too_large_message(plane.limits.max_message_bytes),
+            )
+        }
+        Err(Unanswered::CallerGone) => {
+            guard.call.set_outcome(CallOutcome::CancelledByCaller);
+            status_response(Code::Cancelled, "the caller's request failed")
+        }
+        Err(Unanswered::Engine(text)) => {
             guard.call.set_outcome(CallOutcome::EngineUnreachable);
-            let text = crate::report::error_chain(e.as_ref());
             status_response(Code::Unavailable, &format!("engine unavailable: {text}"))
         }
     }
@@ -220,18 +247,101 @@ impl Drop for InFlight {
     }
 }
 
-/// The caller's request stream on its way to the engine.
-struct RequestBody {
+/// The caller's request on its way into the engine stream, frame by frame:
+/// each DATA frame is read from the caller only once the previous one went out,
+/// and sent once the engine stream has window for it, so a caller can never
+/// make the sidecar hold more than one frame of its request.
+struct RequestPump {
     inner: Incoming,
-    plane: Arc<Plane>,
+    engine: SendStream<Bytes>,
+    /// A DATA frame read and waiting for window, and whether it ends the request.
+    held: Option<(Bytes, bool)>,
     limiter: MessageLimiter,
-    too_large: Arc<TooLargeFlag>,
-    /// Bytes forwarded, added to the shared counter once, when the body is dropped:
+    plane: Arc<Plane>,
+    /// Bytes forwarded, added to the shared counter once, when the pump is dropped:
     /// a shared atomic per frame would bounce its cache line between cores.
     bytes: u64,
 }
 
-impl Drop for RequestBody {
+/// How a request stopped going into the engine stream.
+enum PumpEnd {
+    /// All of it went out (END_STREAM sent).
+    Sent,
+    /// The engine stream is gone (reset or ended): the response side says how.
+    EngineGone,
+    /// A message over the limit: the engine stream is reset.
+    TooLarge,
+    /// The caller's request failed (a reset): the engine stream is reset.
+    CallerGone,
+}
+
+impl RequestPump {
+    fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<PumpEnd> {
+        loop {
+            if let Some((data, end_of_stream)) = self.held.take() {
+                if !data.is_empty() {
+                    while self.engine.capacity() == 0 {
+                        match self.engine.poll_capacity(cx) {
+                            Poll::Pending => {
+                                self.held = Some((data, end_of_stream));
+                                return Poll::Pending;
+                            }
+                            Poll::Ready(Some(Ok(_))) => {}
+                            Poll::Ready(Some(Err(_)) | None) => {
+                                return Poll::Ready(PumpEnd::EngineGone);
+                            }
+                        }
+                    }
+                }
+                if self.engine.send_data(data, end_of_stream).is_err() {
+                    return Poll::Ready(PumpEnd::EngineGone);
+                }
+                if end_of_stream {
+                    return Poll::Ready(PumpEnd::Sent);
+                }
+                continue;
+            }
+            match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        self.bytes += data.len() as u64;
+                        if self.limiter.feed(&data).is_err() {
+                            self.engine.send_reset(h2::Reason::CANCEL);
+                            return Poll::Ready(PumpEnd::TooLarge);
+                        }
+                        if !data.is_empty() {
+                            // A claim on the window, not the frame's size: h2
+                            // raises it to what is buffered when it is sent.
+                            self.engine.reserve_capacity(1);
+                        }
+                        self.held = Some((data, self.inner.is_end_stream()));
+                    }
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            self.engine.reserve_capacity(0);
+                            return Poll::Ready(match self.engine.send_trailers(trailers) {
+                                Ok(()) => PumpEnd::Sent,
+                                Err(_) => PumpEnd::EngineGone,
+                            });
+                        }
+                    }
+                },
+                Some(Err(_)) => {
+                    self.engine.send_reset(h2::Reason::CANCEL);
+                    return Poll::Ready(PumpEnd::CallerGone);
+                }
+                None => {
+                    return Poll::Ready(match self.engine.send_data(Bytes::new(), true) {
+                        Ok(()) => PumpEnd::Sent,
+                        Err(_) => PumpEnd::EngineGone,
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl Drop for RequestPump {
     fn drop(&mut self) {
         self.plane
             .counters
@@ -240,61 +350,31 @@ impl Drop for RequestBody {
     }
 }
 
-impl HttpBody for RequestBody {
-    type Data = Bytes;
-    type Error = Box<dyn std::error::Error + Send + Sync>;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
-            Some(Ok(frame)) => {
-                if let Some(data) = frame.data_ref() {
-                    this.bytes += data.len() as u64;
-                    if this.limiter.feed(data).is_err() {
-                        this.too_large.raise();
-                        // Failing the body resets the engine stream; the caller gets
-                        // RESOURCE_EXHAUSTED from `forward` or the response body.
-                        return Poll::Ready(Some(Err("request message too large".into())));
-                    }
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Some(Err(e)) => Poll::Ready(Some(Err(Box::new(e)))),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// The engine's response stream on its way to the caller.
+/// The engine's response stream on its way to the caller, and the rest of the
+/// caller's request still going into the engine stream.
 struct ResponseBody {
     /// `None` once the call is over (the engine stream is dropped, i.e. reset).
-    inner: Option<Incoming>,
+    inner: Option<RecvStream>,
+    /// The engine's DATA has ended; its trailers are next.
+    data_done: bool,
+    /// The request while it is still being sent; dropped with `inner` at the end.
+    pump: Option<RequestPump>,
     /// The largest trailers passed on to the caller.
     header_limit: u32,
     cut: Pin<Box<WaitForCancellationFutureOwned>>,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     limiter: MessageLimiter,
-    too_large: Arc<TooLargeFlag>,
     guard: InFlight,
 }
 
 type Polled = Poll<Option<Result<Frame<Bytes>, tonic::Status>>>;
 
 impl ResponseBody {
-    /// Ends the call with a status in the trailers, dropping the engine stream.
+    /// Ends the call with a status in the trailers, dropping both halves of the
+    /// engine stream (which resets it, if it was not over).
     fn end_with(&mut self, outcome: CallOutcome, code: Code, message: &str) -> Polled {
         self.inner = None;
+        self.pump = None;
         self.guard.call.set_outcome(outcome);
         let mut trailers = http::HeaderMap::new();
         let _ = tonic::Status::new(code, message).add_header(&mut trailers);
@@ -305,6 +385,26 @@ impl ResponseBody {
     fn end_too_large(&mut self) -> Polled {
         let message = too_large_message(self.limiter.limit());
         self.end_with(CallOutcome::TooLarge, Code::ResourceExhausted, &message)
+    }
+
+    /// Ends the call because the engine stream broke mid-call: retryable elsewhere.
+    fn end_engine_failed(&mut self, e: &h2::Error) -> Polled {
+        let message = format!("engine stream failed: {}", crate::report::error_chain(e));
+        self.end_with(CallOutcome::EngineFailed, Code::Unavailable, &message)
+    }
+
+    /// Passes on the engine's trailers, which end the call.
+    fn end_with_trailers(&mut self, trailers: http::HeaderMap) -> Polled {
+        if header_list_size(&trailers) > self.header_limit as usize {
+            let message = too_large_headers_message(self.header_limit);
+            return self.end_with(CallOutcome::TooLarge, Code::ResourceExhausted, &message);
+        }
+        self.guard
+            .call
+            .set_outcome(CallOutcome::of_engine_status(trailers.get("grpc-status")));
+        self.inner = None;
+        self.pump = None;
+        Poll::Ready(Some(Ok(Frame::trailers(trailers))))
     }
 }
 
@@ -329,47 +429,48 @@ impl HttpBody for ResponseBody {
                 DEADLINE_MESSAGE,
             );
         }
+        if let Some(request) = this.pump.as_mut()
+            && let Poll::Ready(end) = request.poll_send(cx)
+        {
+            match end {
+                PumpEnd::Sent | PumpEnd::EngineGone => this.pump = None,
+                PumpEnd::TooLarge => return this.end_too_large(),
+                PumpEnd::CallerGone => {
+                    let message = "the caller's request failed";
+                    return this.end_with(CallOutcome::CancelledByCaller, Code::Cancelled, message);
+                }
+            }
+        }
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
-        match ready!(Pin::new(inner).poll_frame(cx)) {
-            Some(Ok(frame)) => {
-                if let Some(data) = frame.data_ref() {
+        if !this.data_done {
+            match ready!(inner.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    // The engine may send as much again: its window is what the
+                    // caller has not read yet, and this is on its way to it.
+                    let _ = inner.flow_control().release_capacity(data.len());
                     this.guard.bytes += data.len() as u64;
-                    if this.limiter.feed(data).is_err() {
+                    if this.limiter.feed(&data).is_err() {
                         return this.end_too_large();
                     }
-                } else if let Some(trailers) = frame.trailers_ref() {
-                    if header_list_size(trailers) > this.header_limit as usize {
-                        let message = too_large_headers_message(this.header_limit);
-                        return this.end_with(
-                            CallOutcome::TooLarge,
-                            Code::ResourceExhausted,
-                            &message,
-                        );
-                    }
-                    this.guard
-                        .call
-                        .set_outcome(CallOutcome::of_engine_status(trailers.get("grpc-status")));
-                    this.inner = None;
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Some(Err(e)) => return this.end_engine_failed(&e),
+                None => this.data_done = true,
             }
-            Some(Err(e)) => {
-                if this.too_large.raised() {
-                    return this.end_too_large();
-                }
-                // The engine connection broke mid-call: retryable elsewhere.
-                let message = format!("engine stream failed: {}", crate::report::error_chain(&e));
-                this.end_with(CallOutcome::EngineFailed, Code::Unavailable, &message)
-            }
-            None => {
+        }
+        match ready!(inner.poll_trailers(cx)) {
+            Ok(Some(trailers)) => this.end_with_trailers(trailers),
+            Ok(None) => {
                 // Ended without trailers (a trailers-only answer never gets here):
                 // no status at all, which the caller reads as an error.
                 this.inner = None;
+                this.pump = None;
                 this.guard.call.set_outcome(CallOutcome::EngineStatus);
                 Poll::Ready(None)
             }
+            Err(e) => this.end_engine_failed(&e),
         }
     }
 
