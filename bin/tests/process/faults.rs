@@ -82,17 +82,6 @@ fn engine_frozen_by_sigstop_is_withdrawn_and_every_call_accounted_for() {
     );
 }
 
-/// Keepalive 11 s (just above the engine's ping floor) with a 2 s timeout; the
-/// stale-load window is long, so only keepalive can notice a silent network.
-const KEEPALIVE_ONLY: &[&str] = &[
-    "--keepalive-interval",
-    "11s",
-    "--keepalive-timeout",
-    "2s",
-    "--stale-after",
-    "120s",
-];
-
 #[test]
 fn silent_network_shorter_than_the_keepalive_window_is_ridden_out() {
     let dir = TempDir::new("silent-short");

@@ -560,18 +560,7 @@ fn a_call_on_a_silent_engine_connection_fails_within_the_keepalive_window() {
         &["--no-health", "--token-delay", "50ms"],
     );
     let relay = crate::support::relay::Relay::start(mock.grpc);
-    let mut sidecar = Sidecar::start(
-        &dir.0,
-        relay.addr,
-        &[
-            "--keepalive-interval",
-            "11s",
-            "--keepalive-timeout",
-            "2s",
-            "--stale-after",
-            "120s",
-        ],
-    );
+    let mut sidecar = Sidecar::start(&dir.0, relay.addr, KEEPALIVE_ONLY);
     sidecar.wait_serving();
     sidecar
         .proc

@@ -120,7 +120,7 @@ async fn forward(
     let request = http::Request::from_parts(parts, ());
     let lease = &guard.lease;
     let limits = plane.limits;
-    let counters = plane.clone();
+    let pump_plane = plane.clone();
     let call = async move {
         let (mut answer, engine_stream) = lease
             .send(request, end_of_stream)
@@ -131,7 +131,7 @@ async fn forward(
             engine: engine_stream,
             held: None,
             limiter: MessageLimiter::new(limits.max_message_bytes),
-            plane: counters,
+            plane: pump_plane,
             bytes: 0,
         });
         // The request goes out while the answer's headers are awaited; a

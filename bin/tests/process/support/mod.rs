@@ -292,6 +292,19 @@ impl Sidecar {
             .to_string()
     }
 }
+
+/// Sidecar flags: keepalive 11 s (just above the engine's ping floor) with a
+/// 2 s timeout, and a long stale-load window, so that only keepalive can
+/// notice a silent network.
+pub const KEEPALIVE_ONLY: &[&str] = &[
+    "--keepalive-interval",
+    "11s",
+    "--keepalive-timeout",
+    "2s",
+    "--stale-after",
+    "120s",
+];
+
 pub mod account;
 pub mod etcd;
 pub mod raw_h2;
