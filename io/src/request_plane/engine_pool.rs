@@ -95,14 +95,16 @@ impl Lease {
         *request.uri_mut() = http::Uri::from_parts(parts)?;
         let mut sender = match sender.ready().await {
             Ok(sender) => sender,
-            Err(e) if e.is_go_away() || e.is_io() => {
-                // The connection went away (GOAWAY, or broken) before its task
-                // said so; nothing was sent yet, so the call goes on a new one.
+            Err(e) => {
+                // This connection opens no more streams: it went away (GOAWAY,
+                // or broken) before its task said so, or it used up its stream
+                // ids (2^30 calls). Nothing was sent yet, so the call goes on
+                // a new connection, and so do the calls after it.
                 closed.store(true, Ordering::Release);
+                tracing::debug!("request plane: an engine connection opens no more streams: {e}");
                 let (fresh, _) = self.sender().await?;
                 fresh.ready().await?
             }
-            Err(e) => return Err(e.into()),
         };
         Ok(sender.send_request(request, end_of_stream)?)
     }
