@@ -99,14 +99,16 @@ async fn refuse(plane: &Plane, mut body: Incoming) -> http::Response<Body> {
     status_response(Code::Unavailable, "draining")
 }
 
+/// The status message of a call whose caller's request failed (it reset its
+/// stream): nobody reads it, but the call gets one.
+const CALLER_GONE_MESSAGE: &str = "the caller's request failed";
+
 /// Why a call ended before the engine's answer headers were passed on.
 enum Unanswered {
     /// The engine stream could not be opened, or failed before its headers.
     Engine(String),
-    /// The caller sent a message over the limit.
-    TooLarge,
-    /// The caller's request failed (it reset its stream): nobody to answer.
-    CallerGone,
+    /// The caller's request could not go on to the engine.
+    Request(RequestFailed),
 }
 
 async fn forward(
@@ -137,14 +139,8 @@ async fn forward(
         // The request goes out while the answer's headers are awaited; a
         // request still streaming once they came goes on in the response body.
         let head = std::future::poll_fn(|cx| {
-            if let Some(request) = pump.as_mut()
-                && let Poll::Ready(end) = request.poll_send(cx)
-            {
-                match end {
-                    PumpEnd::Sent | PumpEnd::EngineGone => pump = None,
-                    PumpEnd::TooLarge => return Poll::Ready(Err(Unanswered::TooLarge)),
-                    PumpEnd::CallerGone => return Poll::Ready(Err(Unanswered::CallerGone)),
-                }
+            if let Err(failed) = drive_request(&mut pump, cx) {
+                return Poll::Ready(Err(Unanswered::Request(failed)));
             }
             Pin::new(&mut answer)
                 .poll(cx)
@@ -206,16 +202,16 @@ async fn forward(
             };
             http::Response::from_parts(parts, Body::new(body))
         }
-        Err(Unanswered::TooLarge) => {
+        Err(Unanswered::Request(RequestFailed::TooLarge)) => {
             guard.call.set_outcome(CallOutcome::TooLarge);
             status_response(
                 Code::ResourceExhausted,
                 &too_large_message(plane.limits.max_message_bytes),
             )
         }
-        Err(Unanswered::CallerGone) => {
+        Err(Unanswered::Request(RequestFailed::CallerGone)) => {
             guard.call.set_outcome(CallOutcome::CancelledByCaller);
-            status_response(Code::Cancelled, "the caller's request failed")
+            status_response(Code::Cancelled, CALLER_GONE_MESSAGE)
         }
         Err(Unanswered::Engine(text)) => {
             guard.call.set_outcome(CallOutcome::EngineUnreachable);
@@ -269,10 +265,38 @@ enum PumpEnd {
     Sent,
     /// The engine stream is gone (reset or ended): the response side says how.
     EngineGone,
-    /// A message over the limit: the engine stream is reset.
+    /// It failed on the caller's side; the engine stream is reset.
+    Failed(RequestFailed),
+}
+
+/// Why the caller's request could not go on to the engine.
+#[derive(Clone, Copy)]
+enum RequestFailed {
+    /// A message over the limit.
     TooLarge,
-    /// The caller's request failed (a reset): the engine stream is reset.
+    /// The caller's request failed (a reset).
     CallerGone,
+}
+
+/// Moves what is left of the request, if anything, into the engine stream,
+/// while the answer's headers are awaited and then from the response body. The
+/// pump is dropped once it ended; only a failure on the caller's side is
+/// returned (an engine stream gone is the response side's to report).
+fn drive_request(
+    pump: &mut Option<RequestPump>,
+    cx: &mut Context<'_>,
+) -> Result<(), RequestFailed> {
+    let Some(request) = pump.as_mut() else {
+        return Ok(());
+    };
+    let Poll::Ready(end) = request.poll_send(cx) else {
+        return Ok(());
+    };
+    *pump = None;
+    match end {
+        PumpEnd::Sent | PumpEnd::EngineGone => Ok(()),
+        PumpEnd::Failed(failed) => Err(failed),
+    }
 }
 
 impl RequestPump {
@@ -307,7 +331,7 @@ impl RequestPump {
                         self.bytes += data.len() as u64;
                         if self.limiter.feed(&data).is_err() {
                             self.engine.send_reset(h2::Reason::CANCEL);
-                            return Poll::Ready(PumpEnd::TooLarge);
+                            return Poll::Ready(PumpEnd::Failed(RequestFailed::TooLarge));
                         }
                         if !data.is_empty() {
                             // A claim on the window, not the frame's size: h2
@@ -328,7 +352,7 @@ impl RequestPump {
                 },
                 Some(Err(_)) => {
                     self.engine.send_reset(h2::Reason::CANCEL);
-                    return Poll::Ready(PumpEnd::CallerGone);
+                    return Poll::Ready(PumpEnd::Failed(RequestFailed::CallerGone));
                 }
                 None => {
                     return Poll::Ready(match self.engine.send_data(Bytes::new(), true) {
@@ -370,15 +394,20 @@ struct ResponseBody {
 type Polled = Poll<Option<Result<Frame<Bytes>, tonic::Status>>>;
 
 impl ResponseBody {
-    /// Ends the call with a status in the trailers, dropping both halves of the
-    /// engine stream (which resets it, if it was not over).
+    /// Ends the call with a status in the trailers, dropping the engine stream.
     fn end_with(&mut self, outcome: CallOutcome, code: Code, message: &str) -> Polled {
-        self.inner = None;
-        self.pump = None;
+        self.drop_engine_stream();
         self.guard.call.set_outcome(outcome);
         let mut trailers = http::HeaderMap::new();
         let _ = tonic::Status::new(code, message).add_header(&mut trailers);
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+    }
+
+    /// Drops both halves of the engine stream: the call is over (a reset, if
+    /// the stream was not).
+    fn drop_engine_stream(&mut self) {
+        self.inner = None;
+        self.pump = None;
     }
 
     /// Ends the call because a message, either way, was over the limit.
@@ -402,8 +431,7 @@ impl ResponseBody {
         self.guard
             .call
             .set_outcome(CallOutcome::of_engine_status(trailers.get("grpc-status")));
-        self.inner = None;
-        self.pump = None;
+        self.drop_engine_stream();
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
     }
 }
@@ -429,16 +457,15 @@ impl HttpBody for ResponseBody {
                 DEADLINE_MESSAGE,
             );
         }
-        if let Some(request) = this.pump.as_mut()
-            && let Poll::Ready(end) = request.poll_send(cx)
-        {
-            match end {
-                PumpEnd::Sent | PumpEnd::EngineGone => this.pump = None,
-                PumpEnd::TooLarge => return this.end_too_large(),
-                PumpEnd::CallerGone => {
-                    let message = "the caller's request failed";
-                    return this.end_with(CallOutcome::CancelledByCaller, Code::Cancelled, message);
-                }
+        match drive_request(&mut this.pump, cx) {
+            Ok(()) => {}
+            Err(RequestFailed::TooLarge) => return this.end_too_large(),
+            Err(RequestFailed::CallerGone) => {
+                return this.end_with(
+                    CallOutcome::CancelledByCaller,
+                    Code::Cancelled,
+                    CALLER_GONE_MESSAGE,
+                );
             }
         }
         let Some(inner) = this.inner.as_mut() else {
@@ -465,8 +492,7 @@ impl HttpBody for ResponseBody {
             Ok(None) => {
                 // Ended without trailers (a trailers-only answer never gets here):
                 // no status at all, which the caller reads as an error.
-                this.inner = None;
-                this.pump = None;
+                this.drop_engine_stream();
                 this.guard.call.set_outcome(CallOutcome::EngineStatus);
                 Poll::Ready(None)
             }
