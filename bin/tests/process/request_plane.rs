@@ -610,3 +610,107 @@ fn a_call_on_a_silent_engine_connection_fails_within_the_keepalive_window() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// One gRPC Generate on a raw HTTP/2 client stream: the request sent, the
+/// response's headers and body handle back.
+async fn raw_generate(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+    target: std::net::SocketAddr,
+    req: GenerateRequest,
+) -> h2::RecvStream {
+    use prost::Message;
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .expect("request");
+    let message = req.encode_to_vec();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&message);
+    let (response, mut body) = client
+        .clone()
+        .ready()
+        .await
+        .expect("ready")
+        .send_request(request, false)
+        .expect("send");
+    body.send_data(bytes::Bytes::from(framed), true)
+        .expect("send the request message");
+    response.await.expect("response headers").into_body()
+}
+
+/// A caller that stops reading one stream holds up that stream only: the
+/// sidecar stops pulling its tokens from the engine once the caller's window
+/// is full (so what it holds for that stream stays bounded while the engine
+/// could send a million tokens), while another call on the same caller
+/// connection, and a call on another connection, run to the end. (The calls
+/// of a connection run in its task, and all calls share the engine
+/// connection: a stalled one must block neither.) Once the caller gives the
+/// stalled stream up, the engine sees its reset.
+#[test]
+fn a_stream_its_caller_stops_reading_holds_up_no_other_call() {
+    let dir = TempDir::new("stalled-stream");
+    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let target = sidecar.listen;
+    rt().block_on(async {
+        let tcp = tokio::net::TcpStream::connect(target)
+            .await
+            .expect("connect");
+        // 1 KiB per stream: the stalled stream's window is full after a few
+        // dozen tokens.
+        let (mut caller, connection) = h2::client::Builder::new()
+            .initial_window_size(1024)
+            .handshake::<_, bytes::Bytes>(tcp)
+            .await
+            .expect("h2 handshake");
+        tokio::spawn(connection);
+        // A million tokens at the engine's full speed (some 25 MB), never read.
+        let rss_before = rss_kib(sidecar.proc.pid());
+        let stalled = raw_generate(&mut caller, target, generate("stalled", 4, 1_000_000)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let grew = rss_kib(sidecar.proc.pid()).saturating_sub(rss_before);
+        assert!(
+            grew < 8 * 1024,
+            "the sidecar holds a window's worth for the stalled stream, not the engine's \
+             output: RSS grew by {grew} KiB"
+        );
+        // Another stream on the same connection, read to its end.
+        let mut neighbour =
+            raw_generate(&mut caller, target, generate("neighbour", 4, 2_000)).await;
+        let read_all = async {
+            let mut bytes = 0;
+            while let Some(data) = neighbour.data().await {
+                let data = data.expect("neighbour's data");
+                bytes += data.len();
+                let _ = neighbour.flow_control().release_capacity(data.len());
+            }
+            let trailers = neighbour.trailers().await.expect("trailers");
+            (bytes, trailers)
+        };
+        let (bytes, trailers) = tokio::time::timeout(Duration::from_secs(30), read_all)
+            .await
+            .expect("the neighbour ran to its end beside the stalled stream");
+        assert_eq!(
+            trailers.as_ref().and_then(|t| t.get("grpc-status")),
+            Some(&http::HeaderValue::from_static("0")),
+            "{trailers:?}"
+        );
+        assert!(bytes > 2_000, "2,000 tokens came: {bytes} bytes");
+        // A call on another connection.
+        let other = tokio::time::timeout(
+            Duration::from_secs(30),
+            run_generate(client(target).await, generate("other", 4, 2_000)),
+        )
+        .await
+        .expect("a call on another connection ran to its end");
+        assert_eq!(other.end, Ok(()));
+        assert_eq!(other.streamed.len(), 2_000);
+        drop(stalled);
+    });
+    wait_for_engine_reset(&mock, "stalled");
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

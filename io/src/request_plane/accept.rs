@@ -1,6 +1,8 @@
 //! Accepting callers: the listener loop and the connection cap, the TLS
 //! handshake, HTTP/2 settings, the handshake and idle timeouts, the GOAWAY at
-//! exit, and a close that never resets a busy caller.
+//! exit, and a close that never resets a busy caller. Each connection is
+//! served with h2's server directly, by one task that also runs the
+//! connection's calls (`calls.rs`).
 
 use std::io;
 use std::pin::Pin;
@@ -8,8 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::time::Sleep;
@@ -18,9 +19,8 @@ use tokio_util::task::TaskTracker;
 
 use std::sync::atomic::Ordering;
 
-use tonic::body::Body;
-
 use super::Plane;
+use super::calls::Calls;
 use super::frame_watch::{FrameWatch, Watched};
 use crate::exit_bounds::{GOAWAY_FLUSH, LINGER};
 use crate::tls::ServerTls;
@@ -147,32 +147,19 @@ where
     let limits = plane.limits;
     let watched = Watched::new();
     let io = FrameWatch::new(io, watched.clone(), limits.control_frame_budget);
-    let streams = plane.stream_cap();
-    let service = {
-        let watched = watched.clone();
-        service_fn(move |req| {
-            watched.call_started();
-            let (plane, watched) = (plane.clone(), watched.clone());
-            // Boxed: hyper keeps each stream's task at the size of this future
-            // for the whole call, though the future is done once the response
-            // headers are; in a box its kilobytes are freed then, and a
-            // streaming call holds only its body (docs/PERFORMANCE.md,
-            // "Memory per stream").
-            Box::pin(async move {
-                let response = super::forward::handle(plane, req).await?;
-                Ok::<_, std::convert::Infallible>(
-                    response.map(|body| Body::new(CountedBody { body, watched })),
-                )
-            })
-        })
-    };
-    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-        .max_concurrent_streams(streams)
+    let handshake = h2::server::Builder::new()
+        .max_concurrent_streams(plane.stream_cap())
         .max_header_list_size(limits.max_header_list_bytes)
-        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
-        .serve_connection(TokioIo::new(io), service);
-    let mut conn = std::pin::pin!(conn);
+        .handshake::<_, Bytes>(io);
+    let mut conn = CallerConnection {
+        state: State::Handshaking(handshake),
+        closing: false,
+        calls: Calls::new(),
+        plane,
+        watched: watched.clone(),
+    };
     let handshake_by = tokio::time::Instant::now() + limits.handshake_timeout;
     loop {
         let idle_check = match watched.idle_for() {
@@ -181,7 +168,7 @@ where
         };
         tokio::select! {
             // Garbage, HTTP/1, a protocol error or a flood ends this connection only.
-            _ = conn.as_mut() => return,
+            () = std::future::poll_fn(|cx| conn.poll_serve(cx)) => return,
             () = cancel.cancelled() => break,
             () = tokio::time::sleep_until(handshake_by), if !watched.handshake_done() => {
                 // Armed when the loop last went round; the handshake may have
@@ -202,39 +189,97 @@ where
         }
     }
     // Exiting (or idle): GOAWAY, let the last frames (trailers) reach the caller.
-    conn.as_mut().graceful_shutdown();
-    let _ = tokio::time::timeout(GOAWAY_FLUSH, conn).await;
+    conn.graceful_shutdown();
+    let _ =
+        tokio::time::timeout(GOAWAY_FLUSH, std::future::poll_fn(|cx| conn.poll_serve(cx))).await;
 }
 
-/// A response body that tells the connection's watcher when its call ends.
-struct CountedBody {
-    body: Body,
+/// How many times one turn of a connection's task goes round (read and
+/// write, then the calls woken meanwhile) before it lets the runtime's other
+/// tasks run.
+const ROUNDS_PER_TURN: usize = 8;
+
+/// A caller connection's HTTP/2 state and its calls, polled by its task.
+struct CallerConnection<IO> {
+    state: State<IO>,
+    /// GOAWAY was asked for before the handshake completed.
+    closing: bool,
+    calls: Calls,
+    plane: Arc<Plane>,
     watched: Arc<Watched>,
 }
 
-impl Drop for CountedBody {
-    fn drop(&mut self) {
-        self.watched.call_ended();
-    }
+enum State<IO> {
+    Handshaking(h2::server::Handshake<IO, Bytes>),
+    Serving(h2::server::Connection<IO, Bytes>),
+    Ended,
 }
 
-impl http_body::Body for CountedBody {
-    type Data = bytes::Bytes;
-    type Error = tonic::Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+impl<IO> CallerConnection<IO>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    /// Serves the connection until it ends: reads the caller's frames,
+    /// starts a call for each new stream (polled at once), polls the calls
+    /// that were woken, and writes what they queued, round after round
+    /// within one turn while there is work.
+    fn poll_serve(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.calls.run_woken(cx);
+        if let State::Handshaking(handshake) = &mut self.state {
+            match ready!(Pin::new(handshake).poll(cx)) {
+                Ok(mut serving) => {
+                    if self.closing {
+                        serving.graceful_shutdown();
+                    }
+                    self.state = State::Serving(serving);
+                }
+                Err(e) => {
+                    tracing::debug!("request plane: caller connection failed: {e}");
+                    self.state = State::Ended;
+                }
+            }
+        }
+        let State::Serving(serving) = &mut self.state else {
+            return Poll::Ready(());
+        };
+        for _ in 0..ROUNDS_PER_TURN {
+            loop {
+                match serving.poll_accept(cx) {
+                    Poll::Ready(Some(Ok((request, respond)))) => {
+                        let open = self.watched.call_opened();
+                        let plane = self.plane.clone();
+                        self.calls
+                            .start(super::forward::call(plane, request, respond, open));
+                    }
+                    Poll::Ready(Some(Err(e))) => {
+                        tracing::debug!("request plane: caller connection failed: {e}");
+                        self.state = State::Ended;
+                        return Poll::Ready(());
+                    }
+                    Poll::Ready(None) => {
+                        self.state = State::Ended;
+                        return Poll::Ready(());
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            // What these calls queue is written by the next round's accept.
+            if self.calls.run_woken(cx) == 0 {
+                return Poll::Pending;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
+    /// GOAWAY: no new streams past the ones the caller already sent; the
+    /// connection ends once its calls have.
+    fn graceful_shutdown(&mut self) {
+        match &mut self.state {
+            State::Handshaking(_) => self.closing = true,
+            State::Serving(serving) => serving.graceful_shutdown(),
+            State::Ended => {}
+        }
     }
 }
 

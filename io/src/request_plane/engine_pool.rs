@@ -15,13 +15,17 @@
 //! connection that closed (the engine went away) is opened again by the next
 //! call that leases it.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use h2::SendStream;
 use h2::client::{ResponseFuture, SendRequest};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::engine::{
     ChannelSettings, ENGINE_CONNECTION_WINDOW, ENGINE_MAX_HEADER_LIST_BYTES, ENGINE_STREAM_WINDOW,
@@ -37,6 +41,17 @@ const INITIAL_MAX_SEND_STREAMS: usize = 100;
 
 /// How much request data one engine stream may hold unsent (hyper's default).
 const MAX_SEND_BUFFER_BYTES: usize = 1 << 20;
+
+/// How much one turn of an engine connection's task reads before it lets the
+/// rest of the turn happen: h2 reads every frame the socket holds before it
+/// writes, and under a flood of tokens the socket is never empty, so the new
+/// calls' requests and the window updates that let the engine go on waited
+/// behind megabytes of reads, and the caller connections relayed them in
+/// one late batch. Past this, the read says "not now" and wakes the task
+/// again: h2 writes what is queued, and the callers' connections relay what
+/// was read before the next turn reads on (docs/PERFORMANCE.md, "The caller
+/// side on h2": time to first token at 256 saturated streams 17 → 13 ms).
+const READ_PER_TURN: usize = 64 << 10;
 
 /// Where and how every connection of the pool is opened.
 struct Target {
@@ -59,9 +74,21 @@ struct Open {
 #[derive(Default)]
 struct Pooled {
     /// The open connection; `None` before the first call and after it closed.
-    /// An async lock: the first of many calls opens it, the others wait.
-    sender: tokio::sync::Mutex<Option<Open>>,
+    sender: Mutex<Option<Open>>,
+    /// Held while the connection is being opened: the first of many calls
+    /// opens it, the others wait for it.
+    opening: tokio::sync::Mutex<()>,
     open: AtomicU32,
+}
+
+impl Pooled {
+    /// The open connection's sender and closed flag, if it is open.
+    fn current(&self) -> Option<(SendRequest<Bytes>, Arc<AtomicBool>)> {
+        let slot = self.sender.lock().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref()
+            .filter(|open| !open.closed.load(Ordering::Acquire))
+            .map(|open| (open.sender.clone(), open.closed.clone()))
+    }
 }
 
 /// The engine connections of the request plane.
@@ -112,16 +139,18 @@ impl Lease {
     /// The connection's sender and its closed flag, opened if it is not (or
     /// no longer) open.
     async fn sender(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), SendError> {
-        let mut slot = self.pooled.sender.lock().await;
-        if let Some(open) = slot.as_ref()
-            && !open.closed.load(Ordering::Acquire)
-        {
-            return Ok((open.sender.clone(), open.closed.clone()));
+        if let Some(handles) = self.pooled.current() {
+            return Ok(handles);
         }
-        *slot = None;
-        let open = connect(&self.target).await?;
+        let _opening = self.pooled.opening.lock().await;
+        if let Some(handles) = self.pooled.current() {
+            return Ok(handles);
+        }
+        // Boxed: opening a connection is rare and its future large; every
+        // call carries this function's future until its request is sent.
+        let open = Box::pin(connect(&self.target)).await?;
         let handles = (open.sender.clone(), open.closed.clone());
-        *slot = Some(open);
+        *self.pooled.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(open);
         Ok(handles)
     }
 }
@@ -137,10 +166,14 @@ impl Drop for Lease {
 /// that drives it and pings the engine every keepalive interval.
 async fn connect(target: &Target) -> Result<Open, SendError> {
     let settings = target.settings;
+    let read = Arc::new(AtomicUsize::new(0));
     let handshake = async {
-        let io = crate::engine::open_connection(&target.address, target.limit.clone())
-            .await?
-            .into_inner();
+        let io = TurnReads {
+            inner: crate::engine::open_connection(&target.address, target.limit.clone())
+                .await?
+                .into_inner(),
+            read: read.clone(),
+        };
         let handshake = h2::client::Builder::new()
             .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
             .initial_window_size(ENGINE_STREAM_WINDOW)
@@ -169,8 +202,12 @@ async fn connect(target: &Target) -> Result<Open, SendError> {
             settings.keepalive_interval,
             settings.keepalive_timeout,
         );
+        let turn = std::future::poll_fn(|cx| {
+            read.store(0, Ordering::Relaxed);
+            Pin::new(&mut connection).poll(cx)
+        });
         let how = tokio::select! {
-            result = &mut connection => match result {
+            result = turn => match result {
                 Ok(()) => "closed".to_string(),
                 Err(e) => crate::report::error_chain(&e),
             },
@@ -183,6 +220,62 @@ async fn connect(target: &Target) -> Result<Open, SendError> {
         tracing::debug!("request plane: an engine connection ended: {how}");
     });
     Ok(Open { sender, closed })
+}
+
+/// An engine connection's socket, read at most [`READ_PER_TURN`] bytes per
+/// turn of its task (the task sets `read` back to 0 as each turn begins).
+struct TurnReads<S> {
+    inner: S,
+    read: Arc<AtomicUsize>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for TurnReads<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.read.load(Ordering::Relaxed) >= READ_PER_TURN {
+            // Not now: the rest of this turn first, then another one.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let read = buf.filled().len() - before;
+        self.read.fetch_add(read, Ordering::Relaxed);
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for TurnReads<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Pings the engine every `interval` and returns why the connection must be

@@ -1,18 +1,25 @@
 //! One call: routed to the sidecar's own health, refused, or forwarded to the
-//! engine with its request and response bodies passed through frame by frame.
+//! engine with its request and response passed through frame by frame.
+//!
+//! A call is a future its caller connection's task polls ([`super::calls`]),
+//! written against h2's stream types on both sides: the caller's
+//! `SendResponse`, `SendStream` and `RecvStream`, the engine's
+//! `ResponseFuture`, `SendStream` and `RecvStream`. Nothing sits between the
+//! two streams but the checks the lifecycle needs (admission, the cut, the
+//! deadline, the size limits): each DATA frame the engine sends is handed to
+//! the caller's stream as it came, once the caller has window for it.
 
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
+use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
-use http_body::{Body as HttpBody, Frame};
-use hyper::body::Incoming;
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tonic::Code;
 use tonic::body::Body;
@@ -20,7 +27,9 @@ use tonic::codegen::Service;
 
 use super::Plane;
 use super::admitted::Admitted;
+use super::calls::Call;
 use super::engine_pool::Lease;
+use super::frame_watch::OpenCall;
 use super::framing::{
     MessageLimiter, PREFIX_LEN, grpc_timeout, header_list_size, too_large_headers_message,
     too_large_message,
@@ -36,24 +45,53 @@ const CUT_MESSAGE: &str = "drain deadline reached; retry on another worker";
 /// The status message of a call whose `grpc-timeout` passed.
 const DEADLINE_MESSAGE: &str = "deadline exceeded (grpc-timeout)";
 
-/// A response with only a status: HTTP 200, `grpc-status` in the headers.
-fn status_response(code: Code, message: &str) -> http::Response<Body> {
-    tonic::Status::new(code, message).into_http()
+/// The status message of a call whose caller's request failed (it reset its
+/// stream): nobody reads it, but the call gets one.
+const CALLER_GONE_MESSAGE: &str = "the caller's request failed";
+
+/// A trailers-only answer: `:status` 200, `content-type`, `grpc-status` and
+/// `grpc-message` in the headers.
+fn status_headers(code: Code, message: &str) -> http::Response<()> {
+    tonic::Status::new(code, message).into_http::<()>()
 }
 
-/// Routes one call: the sidecar's own `grpc.health.v1`; the engine's health
-/// RPC while not Serving, and anything while admission is closed, refused;
-/// everything else forwarded.
-pub(crate) async fn handle(
+/// A status as the trailers of a stream already answered: `grpc-status` and
+/// `grpc-message`.
+fn status_trailers(code: Code, message: &str) -> http::HeaderMap {
+    let mut trailers = http::HeaderMap::new();
+    let _ = tonic::Status::new(code, message).add_header(&mut trailers);
+    trailers
+}
+
+/// Answers a call with a status alone (trailers-only: HEADERS with
+/// END_STREAM). A caller already gone is nobody to tell.
+fn send_status(respond: &mut SendResponse<Bytes>, code: Code, message: &str) {
+    let _ = respond.send_response(status_headers(code, message), true);
+}
+
+/// One call, from its request headers to the end of its stream, as the
+/// future its connection runs: the sidecar's own `grpc.health.v1`; the
+/// engine's health RPC while not Serving, and anything while admission is
+/// closed, refused; everything else forwarded. `open` is held until the call
+/// ends.
+///
+/// Routing and admission happen here, before the future exists, and what the
+/// future keeps for a forwarded call's whole life is its [`Relay`] (272 bytes
+/// in all): the request's headers, and the opening of the engine stream
+/// (which may open its connection, kilobytes of future), live in a box freed
+/// once the answer's headers are passed on. Written as one async function, a
+/// call kept 3.5 KB to its end (docs/PERFORMANCE.md, "The caller side on h2").
+pub(crate) fn call(
     plane: Arc<Plane>,
-    req: http::Request<Incoming>,
-) -> Result<http::Response<Body>, Infallible> {
-    let path = req.uri().path();
+    request: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    open: OpenCall,
+) -> Call {
+    let path = request.uri().path();
     if path.starts_with("/grpc.health.v1.Health/") {
-        let mut health = plane.health.clone();
-        return Ok(match health.call(req).await {
-            Ok(response) => response,
-            Err(never) => match never {},
+        return Box::pin(async move {
+            let _open = open;
+            own_health(&plane, request, respond).await;
         });
     }
     let admitted =
@@ -64,44 +102,92 @@ pub(crate) async fn handle(
             Admitted::try_new(&plane)
         };
     let Some(call) = admitted else {
-        return Ok(refuse(&plane, req.into_body()).await);
+        return Box::pin(async move {
+            let _open = open;
+            refuse(&plane, request.into_body()).await;
+            send_status(&mut respond, Code::Unavailable, "draining");
+        });
     };
     let guard = InFlight {
         lease: plane.engine.lease(),
         call,
         bytes: 0,
     };
-    Ok(forward(plane, req, guard).await)
+    Box::pin(Forwarded {
+        phase: Phase::Answering(Box::pin(answer(plane, request, respond, guard))),
+        _open: open,
+    })
 }
 
-/// Answers a call that admission refused: UNAVAILABLE "draining", never forwarded.
+/// A forwarded call, as its connection runs it.
+struct Forwarded {
+    phase: Phase,
+    _open: OpenCall,
+}
+
+// The large variant is the one a call lives in; the small one is boxed on
+// purpose, so that it is freed.
+#[allow(clippy::large_enum_variant)]
+enum Phase {
+    /// The engine stream opened, the request sent, the answer's headers
+    /// awaited: boxed, and freed once they are passed on.
+    Answering(Pin<Box<dyn Future<Output = Option<Relay>> + Send>>),
+    /// The rest of the call.
+    Relaying(Relay),
+}
+
+impl Future for Forwarded {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            match &mut self.phase {
+                Phase::Answering(answer) => match ready!(answer.as_mut().poll(cx)) {
+                    Some(relay) => self.phase = Phase::Relaying(relay),
+                    None => return Poll::Ready(()),
+                },
+                Phase::Relaying(relay) => return relay.poll(cx),
+            }
+        }
+    }
+}
+
+/// The sidecar's own health service, answered here.
+async fn own_health(
+    plane: &Plane,
+    request: http::Request<RecvStream>,
+    respond: SendResponse<Bytes>,
+) {
+    let mut health = plane.health.clone();
+    let response = match health.call(request.map(RequestBody::new)).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    };
+    send_body(respond, response).await;
+}
+
+/// Reads a refused call's request to its end before it is answered.
 ///
-/// The request is read to its end first. Answering while the caller is still
-/// sending makes HTTP/2 reset the stream, and h2 counts those resets: past 1,024
-/// on one connection it sends GOAWAY ENHANCE_YOUR_CALM, which would kill the
-/// calls still draining on that connection (a router retrying into a draining
-/// worker reaches that in seconds). A request that does not end within a short
-/// wait, or grows past the message limit, is answered anyway.
-async fn refuse(plane: &Plane, mut body: Incoming) -> http::Response<Body> {
+/// Answering while the caller is still sending makes HTTP/2 reset the stream,
+/// and h2 counts those resets: past 1,024 on one connection it sends GOAWAY
+/// ENHANCE_YOUR_CALM, which would kill the calls still draining on that
+/// connection (a router retrying into a draining worker reaches that in
+/// seconds). A request that does not end within a short wait, or grows past
+/// the message limit, is answered anyway.
+async fn refuse(plane: &Plane, mut body: RecvStream) {
     let limit = u64::from(plane.limits.max_message_bytes) + PREFIX_LEN as u64;
     let read_to_end = async {
         let mut read: u64 = 0;
-        while let Some(Ok(frame)) =
-            std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
-        {
-            read += frame.data_ref().map_or(0, |d| d.len() as u64);
+        while let Some(Ok(data)) = poll_fn(|cx| body.poll_data(cx)).await {
+            let _ = body.flow_control().release_capacity(data.len());
+            read += data.len() as u64;
             if read > limit {
                 break;
             }
         }
     };
     let _ = tokio::time::timeout(REFUSED_BODY_WAIT, read_to_end).await;
-    status_response(Code::Unavailable, "draining")
 }
-
-/// The status message of a call whose caller's request failed (it reset its
-/// stream): nobody reads it, but the call gets one.
-const CALLER_GONE_MESSAGE: &str = "the caller's request failed";
 
 /// Why a call ended before the engine's answer headers were passed on.
 enum Unanswered {
@@ -109,113 +195,186 @@ enum Unanswered {
     Engine(String),
     /// The caller's request could not go on to the engine.
     Request(RequestFailed),
+    /// The cut or the caller's deadline came first.
+    Ended(Ending),
+    /// The caller reset its stream: nobody to answer.
+    CallerGone,
 }
 
-async fn forward(
+/// Opens the call's engine stream, sends the request into it and waits for
+/// the answer's headers; passes them on and returns the relay for the rest,
+/// or `None` once the call is over (answered with a status, or the caller
+/// gone).
+async fn answer(
     plane: Arc<Plane>,
-    req: http::Request<Incoming>,
+    request: http::Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
     mut guard: InFlight,
-) -> http::Response<Body> {
-    let deadline = grpc_timeout(req.headers()).map(|d| tokio::time::Instant::now() + d);
-    let (parts, incoming) = req.into_parts();
-    let end_of_stream = incoming.is_end_stream();
+) -> Option<Relay> {
+    let deadline = grpc_timeout(request.headers()).map(|d| tokio::time::Instant::now() + d);
+    let (parts, body) = request.into_parts();
+    let end_of_stream = body.is_end_stream();
     let request = http::Request::from_parts(parts, ());
-    let lease = &guard.lease;
+    let mut ends = Endings {
+        cut: Box::pin(plane.cut_token().cancelled_owned()),
+        deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
+    };
     let limits = plane.limits;
-    let pump_plane = plane.clone();
-    let call = async move {
-        let (mut answer, engine_stream) = lease
-            .send(request, end_of_stream)
-            .await
-            .map_err(|e| Unanswered::Engine(crate::report::error_chain(e.as_ref())))?;
+    let answered = async {
+        // The engine stream, opened at once unless its connection is being opened.
+        let (mut answer, engine_stream) =
+            {
+                let mut send = pin!(guard.lease.send(request, end_of_stream));
+                poll_fn(|cx| {
+                    if let Some(ending) = ends.poll(cx) {
+                        return Poll::Ready(Err(Unanswered::Ended(ending)));
+                    }
+                    if let Poll::Ready(sent) = send.as_mut().poll(cx) {
+                        return Poll::Ready(sent.map_err(|e| {
+                            Unanswered::Engine(crate::report::error_chain(e.as_ref()))
+                        }));
+                    }
+                    caller_gone(respond.poll_reset(cx))
+                })
+                .await?
+            };
         let mut pump = (!end_of_stream).then(|| RequestPump {
-            inner: incoming,
+            inner: body,
             engine: engine_stream,
             held: None,
             limiter: MessageLimiter::new(limits.max_message_bytes),
-            plane: pump_plane,
+            plane: plane.clone(),
             bytes: 0,
         });
         // The request goes out while the answer's headers are awaited; a
-        // request still streaming once they came goes on in the response body.
-        let head = std::future::poll_fn(|cx| {
+        // request still streaming once they came goes on in the relay.
+        let head = poll_fn(|cx| {
+            if let Some(ending) = ends.poll(cx) {
+                return Poll::Ready(Err(Unanswered::Ended(ending)));
+            }
             if let Err(failed) = drive_request(&mut pump, cx) {
                 return Poll::Ready(Err(Unanswered::Request(failed)));
             }
-            Pin::new(&mut answer)
-                .poll(cx)
-                .map_err(|e| Unanswered::Engine(crate::report::error_chain(&e)))
+            if let Poll::Ready(head) = Pin::new(&mut answer).poll(cx) {
+                return Poll::Ready(
+                    head.map_err(|e| Unanswered::Engine(crate::report::error_chain(&e))),
+                );
+            }
+            caller_gone(respond.poll_reset(cx))
         })
         .await?;
         Ok::<_, Unanswered>((head, pump))
     };
-    let until_deadline = async {
-        match deadline {
-            Some(at) => tokio::time::sleep_until(at).await,
-            None => std::future::pending().await,
-        }
-    };
-    let cut = plane.cut_token();
-    let response = tokio::select! {
-        response = call => response,
-        () = cut.cancelled() => {
-            guard.call.set_outcome(CallOutcome::CutAtDeadline);
-            return status_response(Code::Unavailable, CUT_MESSAGE);
-        }
-        () = until_deadline => {
-            guard.call.set_outcome(CallOutcome::DeadlineExceeded);
-            return status_response(Code::DeadlineExceeded, DEADLINE_MESSAGE);
-        }
-    };
-    match response {
-        Ok((response, pump)) => {
-            let (parts, body) = response.into_parts();
-            let header_limit = plane.limits.max_header_list_bytes;
-            if header_list_size(&parts.headers) > header_limit as usize {
-                // Passed on, these headers would make the caller's HTTP/2 stack
-                // fail its whole connection; this call fails alone instead.
-                guard.call.set_outcome(CallOutcome::TooLarge);
-                return status_response(
-                    Code::ResourceExhausted,
-                    &too_large_headers_message(header_limit),
-                );
-            }
-            if parts.headers.contains_key("grpc-status") {
-                // Trailers-only: the engine ended the call with its headers, so
-                // the caller's stream ends with them too (HEADERS with
-                // END_STREAM). An empty DATA frame after them is what gRPC
-                // clients built on C-core reject.
-                guard.call.set_outcome(CallOutcome::of_engine_status(
-                    parts.headers.get("grpc-status"),
-                ));
-                return http::Response::from_parts(parts, Body::empty());
-            }
-            let body = ResponseBody {
-                inner: Some(body),
-                data_done: false,
-                pump,
-                header_limit,
-                cut: Box::pin(cut.cancelled_owned()),
-                deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
-                limiter: MessageLimiter::new(plane.limits.max_message_bytes),
-                guard,
-            };
-            http::Response::from_parts(parts, Body::new(body))
+    let (response, pump) = match answered.await {
+        Ok(answered) => answered,
+        Err(Unanswered::Ended(ending)) => {
+            let (outcome, code, message) = ending.status();
+            guard.call.set_outcome(outcome);
+            send_status(&mut respond, code, message);
+            return None;
         }
         Err(Unanswered::Request(RequestFailed::TooLarge)) => {
             guard.call.set_outcome(CallOutcome::TooLarge);
-            status_response(
-                Code::ResourceExhausted,
-                &too_large_message(plane.limits.max_message_bytes),
-            )
+            let message = too_large_message(plane.limits.max_message_bytes);
+            send_status(&mut respond, Code::ResourceExhausted, &message);
+            return None;
         }
         Err(Unanswered::Request(RequestFailed::CallerGone)) => {
             guard.call.set_outcome(CallOutcome::CancelledByCaller);
-            status_response(Code::Cancelled, CALLER_GONE_MESSAGE)
+            send_status(&mut respond, Code::Cancelled, CALLER_GONE_MESSAGE);
+            return None;
         }
         Err(Unanswered::Engine(text)) => {
             guard.call.set_outcome(CallOutcome::EngineUnreachable);
-            status_response(Code::Unavailable, &format!("engine unavailable: {text}"))
+            let message = format!("engine unavailable: {text}");
+            send_status(&mut respond, Code::Unavailable, &message);
+            return None;
+        }
+        // Dropping the call resets the engine stream; the outcome is the
+        // caller's cancel.
+        Err(Unanswered::CallerGone) => return None,
+    };
+    let (parts, body) = response.into_parts();
+    let header_limit = plane.limits.max_header_list_bytes;
+    if header_list_size(&parts.headers) > header_limit as usize {
+        // Passed on, these headers would make the caller's HTTP/2 stack
+        // fail its whole connection; this call fails alone instead.
+        guard.call.set_outcome(CallOutcome::TooLarge);
+        let message = too_large_headers_message(header_limit);
+        send_status(&mut respond, Code::ResourceExhausted, &message);
+        return None;
+    }
+    if parts.headers.contains_key("grpc-status") {
+        // Trailers-only: the engine ended the call with its headers, so the
+        // caller's stream ends with them too (HEADERS with END_STREAM). An
+        // empty DATA frame after them is what gRPC clients built on C-core
+        // reject.
+        guard.call.set_outcome(CallOutcome::of_engine_status(
+            parts.headers.get("grpc-status"),
+        ));
+        let _ = respond.send_response(http::Response::from_parts(parts, ()), true);
+        return None;
+    }
+    let caller = respond
+        .send_response(http::Response::from_parts(parts, ()), false)
+        .ok()?;
+    Some(Relay {
+        engine: Some(body),
+        data_done: false,
+        pump,
+        caller,
+        header_limit,
+        limiter: MessageLimiter::new(plane.limits.max_message_bytes),
+        ends,
+        guard,
+    })
+}
+
+/// `Ready` once the caller has reset its stream (or the connection failed
+/// under it), for a poll that would otherwise wait.
+fn caller_gone<T>(reset: Poll<Result<h2::Reason, h2::Error>>) -> Poll<Result<T, Unanswered>> {
+    match reset {
+        Poll::Ready(_) => Poll::Ready(Err(Unanswered::CallerGone)),
+        Poll::Pending => Poll::Pending,
+    }
+}
+
+/// What may end a call from outside it: the cut at the drain deadline and
+/// the caller's `grpc-timeout`.
+struct Endings {
+    cut: Pin<Box<WaitForCancellationFutureOwned>>,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+#[derive(Clone, Copy)]
+enum Ending {
+    Cut,
+    DeadlineExceeded,
+}
+
+impl Endings {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Option<Ending> {
+        if self.cut.as_mut().poll(cx).is_ready() {
+            return Some(Ending::Cut);
+        }
+        if let Some(deadline) = self.deadline.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return Some(Ending::DeadlineExceeded);
+        }
+        None
+    }
+}
+
+impl Ending {
+    fn status(self) -> (CallOutcome, Code, &'static str) {
+        match self {
+            Ending::Cut => (CallOutcome::CutAtDeadline, Code::Unavailable, CUT_MESSAGE),
+            Ending::DeadlineExceeded => (
+                CallOutcome::DeadlineExceeded,
+                Code::DeadlineExceeded,
+                DEADLINE_MESSAGE,
+            ),
         }
     }
 }
@@ -243,12 +402,32 @@ impl Drop for InFlight {
     }
 }
 
+/// `Ready` once the caller's stream has window for more data: the engine's
+/// answer is read only as fast as the caller takes it, so what the sidecar
+/// holds for a slow caller is bounded by that caller's window. `Err`: the
+/// caller's stream is gone (reset, or its connection failed).
+fn poll_window(caller: &mut SendStream<Bytes>, cx: &mut Context<'_>) -> Poll<Result<(), ()>> {
+    if caller.capacity() > 0 {
+        return Poll::Ready(Ok(()));
+    }
+    // A claim on the window, not the next frame's size: h2 raises it to what
+    // is buffered when the frame is sent.
+    caller.reserve_capacity(1);
+    loop {
+        match ready!(caller.poll_capacity(cx)) {
+            Some(Ok(0)) => {}
+            Some(Ok(_)) => return Poll::Ready(Ok(())),
+            Some(Err(_)) | None => return Poll::Ready(Err(())),
+        }
+    }
+}
+
 /// The caller's request on its way into the engine stream, frame by frame:
 /// each DATA frame is read from the caller only once the previous one went out,
 /// and sent once the engine stream has window for it, so a caller can never
 /// make the sidecar hold more than one frame of its request.
 struct RequestPump {
-    inner: Incoming,
+    inner: RecvStream,
     engine: SendStream<Bytes>,
     /// A DATA frame read and waiting for window, and whether it ends the request.
     held: Option<(Bytes, bool)>,
@@ -279,7 +458,7 @@ enum RequestFailed {
 }
 
 /// Moves what is left of the request, if anything, into the engine stream,
-/// while the answer's headers are awaited and then from the response body. The
+/// while the answer's headers are awaited and then during the relay. The
 /// pump is dropped once it ended; only a failure on the caller's side is
 /// returned (an engine stream gone is the response side's to report).
 fn drive_request(
@@ -325,37 +504,39 @@ impl RequestPump {
                 }
                 continue;
             }
-            match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        self.bytes += data.len() as u64;
-                        if self.limiter.feed(&data).is_err() {
-                            self.engine.send_reset(h2::Reason::CANCEL);
-                            return Poll::Ready(PumpEnd::Failed(RequestFailed::TooLarge));
-                        }
-                        if !data.is_empty() {
-                            // A claim on the window, not the frame's size: h2
-                            // raises it to what is buffered when it is sent.
-                            self.engine.reserve_capacity(1);
-                        }
-                        self.held = Some((data, self.inner.is_end_stream()));
+            match ready!(self.inner.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = self.inner.flow_control().release_capacity(data.len());
+                    self.bytes += data.len() as u64;
+                    if self.limiter.feed(&data).is_err() {
+                        self.engine.send_reset(h2::Reason::CANCEL);
+                        return Poll::Ready(PumpEnd::Failed(RequestFailed::TooLarge));
                     }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            self.engine.reserve_capacity(0);
-                            return Poll::Ready(match self.engine.send_trailers(trailers) {
-                                Ok(()) => PumpEnd::Sent,
-                                Err(_) => PumpEnd::EngineGone,
-                            });
-                        }
+                    if !data.is_empty() {
+                        // A claim on the window, not the frame's size: h2
+                        // raises it to what is buffered when it is sent.
+                        self.engine.reserve_capacity(1);
                     }
-                },
+                    self.held = Some((data, self.inner.is_end_stream()));
+                }
                 Some(Err(_)) => {
                     self.engine.send_reset(h2::Reason::CANCEL);
                     return Poll::Ready(PumpEnd::Failed(RequestFailed::CallerGone));
                 }
+                // The request's DATA is over: trailers, or its end.
                 None => {
-                    return Poll::Ready(match self.engine.send_data(Bytes::new(), true) {
+                    let sent = match ready!(self.inner.poll_trailers(cx)) {
+                        Ok(Some(trailers)) => {
+                            self.engine.reserve_capacity(0);
+                            self.engine.send_trailers(trailers)
+                        }
+                        Ok(None) => self.engine.send_data(Bytes::new(), true),
+                        Err(_) => {
+                            self.engine.send_reset(h2::Reason::CANCEL);
+                            return Poll::Ready(PumpEnd::Failed(RequestFailed::CallerGone));
+                        }
+                    };
+                    return Poll::Ready(match sent {
                         Ok(()) => PumpEnd::Sent,
                         Err(_) => PumpEnd::EngineGone,
                     });
@@ -374,56 +555,132 @@ impl Drop for RequestPump {
     }
 }
 
-/// The engine's response stream on its way to the caller, and the rest of the
-/// caller's request still going into the engine stream.
-struct ResponseBody {
+/// The engine's answer on its way to the caller, once its headers went out,
+/// and the rest of the caller's request still going into the engine stream.
+struct Relay {
     /// `None` once the call is over (the engine stream is dropped, i.e. reset).
-    inner: Option<RecvStream>,
+    engine: Option<RecvStream>,
     /// The engine's DATA has ended; its trailers are next.
     data_done: bool,
-    /// The request while it is still being sent; dropped with `inner` at the end.
+    /// The request while it is still being sent; dropped with `engine` at the end.
     pump: Option<RequestPump>,
+    caller: SendStream<Bytes>,
     /// The largest trailers passed on to the caller.
     header_limit: u32,
-    cut: Pin<Box<WaitForCancellationFutureOwned>>,
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     limiter: MessageLimiter,
+    ends: Endings,
     guard: InFlight,
 }
 
-type Polled = Poll<Option<Result<Frame<Bytes>, tonic::Status>>>;
+impl Relay {
+    /// Relays until the call is over. The cut, the deadline and the request
+    /// are looked at once per poll, not per frame: whatever changes them
+    /// wakes the call.
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.engine.is_none() {
+            return Poll::Ready(());
+        }
+        if let Some(ending) = self.ends.poll(cx) {
+            let (outcome, code, message) = ending.status();
+            return self.end_with(outcome, code, message);
+        }
+        match drive_request(&mut self.pump, cx) {
+            Ok(()) => {}
+            Err(RequestFailed::TooLarge) => return self.end_too_large(),
+            Err(RequestFailed::CallerGone) => {
+                return self.end_with(
+                    CallOutcome::CancelledByCaller,
+                    Code::Cancelled,
+                    CALLER_GONE_MESSAGE,
+                );
+            }
+        }
+        loop {
+            let Some(engine) = self.engine.as_mut() else {
+                return Poll::Ready(());
+            };
+            if !self.data_done {
+                if ready!(poll_window(&mut self.caller, cx)).is_err() {
+                    return Poll::Ready(());
+                }
+                match engine.poll_data(cx) {
+                    Poll::Ready(Some(Ok(data))) => {
+                        // The engine may send as much again: its window is what
+                        // the caller has not read yet, and this is on its way to it.
+                        let _ = engine.flow_control().release_capacity(data.len());
+                        self.guard.bytes += data.len() as u64;
+                        if self.limiter.feed(&data).is_err() {
+                            return self.end_too_large();
+                        }
+                        if self.caller.send_data(data, false).is_err() {
+                            return Poll::Ready(());
+                        }
+                        continue;
+                    }
+                    Poll::Ready(Some(Err(e))) => return self.end_engine_failed(&e),
+                    Poll::Ready(None) => self.data_done = true,
+                    Poll::Pending => return self.wait_for_engine(cx),
+                }
+            }
+            return match engine.poll_trailers(cx) {
+                Poll::Ready(Ok(Some(trailers))) => self.end_with_trailers(trailers),
+                Poll::Ready(Ok(None)) => {
+                    // Ended without trailers (a trailers-only answer never gets
+                    // here): no status at all, which the caller reads as an error.
+                    self.drop_engine_stream();
+                    self.guard.call.set_outcome(CallOutcome::EngineStatus);
+                    let _ = self.caller.send_data(Bytes::new(), true);
+                    Poll::Ready(())
+                }
+                Poll::Ready(Err(e)) => self.end_engine_failed(&e),
+                Poll::Pending => self.wait_for_engine(cx),
+            };
+        }
+    }
 
-impl ResponseBody {
+    /// Waits for the engine, and for the caller's reset: a caller who gives
+    /// up ends the call now (the engine stream is reset when it is dropped).
+    fn wait_for_engine(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match self.caller.poll_reset(cx) {
+            Poll::Ready(_) => Poll::Ready(()),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
     /// Ends the call with a status in the trailers, dropping the engine stream.
-    fn end_with(&mut self, outcome: CallOutcome, code: Code, message: &str) -> Polled {
+    fn end_with(&mut self, outcome: CallOutcome, code: Code, message: &str) -> Poll<()> {
         self.drop_engine_stream();
         self.guard.call.set_outcome(outcome);
-        let mut trailers = http::HeaderMap::new();
-        let _ = tonic::Status::new(code, message).add_header(&mut trailers);
-        Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+        self.send_trailers(status_trailers(code, message));
+        Poll::Ready(())
+    }
+
+    fn send_trailers(&mut self, trailers: http::HeaderMap) {
+        self.caller.reserve_capacity(0);
+        let _ = self.caller.send_trailers(trailers);
     }
 
     /// Drops both halves of the engine stream: the call is over (a reset, if
     /// the stream was not).
     fn drop_engine_stream(&mut self) {
-        self.inner = None;
+        self.engine = None;
         self.pump = None;
     }
 
     /// Ends the call because a message, either way, was over the limit.
-    fn end_too_large(&mut self) -> Polled {
+    fn end_too_large(&mut self) -> Poll<()> {
         let message = too_large_message(self.limiter.limit());
         self.end_with(CallOutcome::TooLarge, Code::ResourceExhausted, &message)
     }
 
     /// Ends the call because the engine stream broke mid-call: retryable elsewhere.
-    fn end_engine_failed(&mut self, e: &h2::Error) -> Polled {
+    fn end_engine_failed(&mut self, e: &h2::Error) -> Poll<()> {
         let message = format!("engine stream failed: {}", crate::report::error_chain(e));
         self.end_with(CallOutcome::EngineFailed, Code::Unavailable, &message)
     }
 
     /// Passes on the engine's trailers, which end the call.
-    fn end_with_trailers(&mut self, trailers: http::HeaderMap) -> Polled {
+    fn end_with_trailers(&mut self, trailers: http::HeaderMap) -> Poll<()> {
         if header_list_size(&trailers) > self.header_limit as usize {
             let message = too_large_headers_message(self.header_limit);
             return self.end_with(CallOutcome::TooLarge, Code::ResourceExhausted, &message);
@@ -432,75 +689,112 @@ impl ResponseBody {
             .call
             .set_outcome(CallOutcome::of_engine_status(trailers.get("grpc-status")));
         self.drop_engine_stream();
-        Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+        self.send_trailers(trailers);
+        Poll::Ready(())
     }
 }
 
-impl HttpBody for ResponseBody {
-    type Data = Bytes;
-    type Error = tonic::Status;
+/// A caller's request as an HTTP body, for the services answered here.
+struct RequestBody {
+    inner: RecvStream,
+    data_done: bool,
+}
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
+impl RequestBody {
+    fn new(inner: RecvStream) -> Self {
+        RequestBody {
+            inner,
+            data_done: false,
+        }
+    }
+}
+
+impl HttpBody for RequestBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
         let this = &mut *self;
-        if this.inner.is_none() {
-            return Poll::Ready(None);
-        }
-        if this.cut.as_mut().poll(cx).is_ready() {
-            return this.end_with(CallOutcome::CutAtDeadline, Code::Unavailable, CUT_MESSAGE);
-        }
-        if let Some(deadline) = this.deadline.as_mut()
-            && deadline.as_mut().poll(cx).is_ready()
-        {
-            return this.end_with(
-                CallOutcome::DeadlineExceeded,
-                Code::DeadlineExceeded,
-                DEADLINE_MESSAGE,
-            );
-        }
-        match drive_request(&mut this.pump, cx) {
-            Ok(()) => {}
-            Err(RequestFailed::TooLarge) => return this.end_too_large(),
-            Err(RequestFailed::CallerGone) => {
-                return this.end_with(
-                    CallOutcome::CancelledByCaller,
-                    Code::Cancelled,
-                    CALLER_GONE_MESSAGE,
-                );
-            }
-        }
-        let Some(inner) = this.inner.as_mut() else {
-            return Poll::Ready(None);
-        };
         if !this.data_done {
-            match ready!(inner.poll_data(cx)) {
+            match ready!(this.inner.poll_data(cx)) {
                 Some(Ok(data)) => {
-                    // The engine may send as much again: its window is what the
-                    // caller has not read yet, and this is on its way to it.
-                    let _ = inner.flow_control().release_capacity(data.len());
-                    this.guard.bytes += data.len() as u64;
-                    if this.limiter.feed(&data).is_err() {
-                        return this.end_too_large();
-                    }
+                    let _ = this.inner.flow_control().release_capacity(data.len());
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Some(Err(e)) => return this.end_engine_failed(&e),
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
                 None => this.data_done = true,
             }
         }
-        match ready!(inner.poll_trailers(cx)) {
-            Ok(Some(trailers)) => this.end_with_trailers(trailers),
-            Ok(None) => {
-                // Ended without trailers (a trailers-only answer never gets here):
-                // no status at all, which the caller reads as an error.
-                this.drop_engine_stream();
-                this.guard.call.set_outcome(CallOutcome::EngineStatus);
-                Poll::Ready(None)
-            }
-            Err(e) => this.end_engine_failed(&e),
-        }
+        Poll::Ready(
+            ready!(this.inner.poll_trailers(cx))
+                .transpose()
+                .map(|t| t.map(Frame::trailers)),
+        )
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_none()
+        self.inner.is_end_stream()
     }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// Sends a response made here (the sidecar's own health) to the caller: its
+/// headers, then its body frame by frame as the caller's window allows.
+async fn send_body(mut respond: SendResponse<Bytes>, response: http::Response<Body>) {
+    let (parts, mut body) = response.into_parts();
+    let end_of_stream = body.is_end_stream();
+    let Ok(mut caller) =
+        respond.send_response(http::Response::from_parts(parts, ()), end_of_stream)
+    else {
+        return;
+    };
+    if end_of_stream {
+        return;
+    }
+    poll_fn(|cx| {
+        loop {
+            if ready!(poll_window(&mut caller, cx)).is_err() {
+                return Poll::Ready(());
+            }
+            let frame = match Pin::new(&mut body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(_))) => {
+                    caller.send_reset(h2::Reason::INTERNAL_ERROR);
+                    return Poll::Ready(());
+                }
+                Poll::Ready(None) => {
+                    let _ = caller.send_data(Bytes::new(), true);
+                    return Poll::Ready(());
+                }
+                Poll::Pending => {
+                    return match caller.poll_reset(cx) {
+                        Poll::Ready(_) => Poll::Ready(()),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+            };
+            match frame.into_data() {
+                Ok(data) => {
+                    let end = body.is_end_stream();
+                    if caller.send_data(data, end).is_err() || end {
+                        return Poll::Ready(());
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        caller.reserve_capacity(0);
+                        let _ = caller.send_trailers(trailers);
+                        return Poll::Ready(());
+                    }
+                }
+            }
+        }
+    })
+    .await;
 }

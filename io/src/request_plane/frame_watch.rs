@@ -1,4 +1,4 @@
-//! Watching one caller connection's HTTP/2 frames as they pass, below hyper:
+//! Watching one caller connection's HTTP/2 frames as they pass, below h2:
 //! how far the handshake got, how many calls are open and since when none
 //! has been, and whether the caller floods the connection with frames that
 //! cost work but carry none (PING, SETTINGS, PRIORITY, WINDOW_UPDATE,
@@ -49,17 +49,11 @@ impl Watched {
         self.handshake_done.load(Ordering::Acquire)
     }
 
-    /// A call opened on the connection.
-    pub(crate) fn call_started(&self) {
+    /// A call opened on the connection; it counts as open until the
+    /// returned guard is dropped.
+    pub(crate) fn call_opened(self: &Arc<Self>) -> OpenCall {
         self.active.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// A call on the connection ended.
-    pub(crate) fn call_ended(&self) {
-        if self.active.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let ms = self.born.elapsed().as_millis() as u64;
-            self.idle_since_ms.store(ms, Ordering::Release);
-        }
+        OpenCall(self.clone())
     }
 
     /// How long the connection has had no call open; `None` while one is.
@@ -69,6 +63,19 @@ impl Watched {
         }
         let since = Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire));
         Some(self.born.elapsed().saturating_sub(since))
+    }
+}
+
+/// One call open on a connection, for the connection's idle clock.
+pub(crate) struct OpenCall(Arc<Watched>);
+
+impl Drop for OpenCall {
+    fn drop(&mut self) {
+        let watched = &self.0;
+        if watched.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let ms = watched.born.elapsed().as_millis() as u64;
+            watched.idle_since_ms.store(ms, Ordering::Release);
+        }
     }
 }
 
@@ -204,7 +211,7 @@ fn flooded() -> io::Error {
 }
 
 impl<S: AsyncWrite + Unpin> FrameWatch<S> {
-    /// Writes the GOAWAY (only between two of hyper's frames), then fails.
+    /// Writes the GOAWAY (only between two of h2's frames), then fails.
     fn poll_goaway(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         if let Some((frame, written)) = self.goaway.as_mut()
             && self.outbound.at_boundary()

@@ -24,6 +24,7 @@
 
 mod accept;
 mod admitted;
+mod calls;
 mod engine_pool;
 mod forward;
 mod frame_watch;
