@@ -8,13 +8,15 @@
 //! closed it, it failed, or it was dropped after a keepalive timeout) the
 //! [`ConnectionWatch`] says so. For engines whose API carries no identity of
 //! their own, that is how a restart or a death is noticed at once, between
-//! two health polls.
+//! two health polls. And its reads can be bounded per turn of the task that
+//! drives it ([`ReadsPerTurn`]), as the request plane's engine connections
+//! are.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 
 use hyper_util::rt::TokioIo;
@@ -107,7 +109,7 @@ impl EngineConnector {
 }
 
 impl Service<Uri> for EngineConnector {
-    type Response = TokioIo<SettingsSpy<TcpStream>>;
+    type Response = TokioIo<EngineSocket<TcpStream>>;
     type Error = io::Error;
     type Future = Pin<Box<dyn Future<Output = io::Result<Self::Response>> + Send>>;
 
@@ -134,15 +136,47 @@ impl Service<Uri> for EngineConnector {
 pub(crate) async fn open(
     address: &str,
     limit: StreamLimit,
-) -> io::Result<TokioIo<SettingsSpy<TcpStream>>> {
+) -> io::Result<TokioIo<EngineSocket<TcpStream>>> {
     let stream = TcpStream::connect(address).await?;
     stream.set_nodelay(true)?;
-    Ok(TokioIo::new(SettingsSpy::new(stream, limit)))
+    Ok(TokioIo::new(EngineSocket::new(stream, limit)))
 }
 
-/// Reads the server's frames until its first SETTINGS frame is complete,
-/// records the stream limit, then lets everything pass untouched.
-pub struct SettingsSpy<S> {
+/// How much one turn of the task that drives a connection may read; the task
+/// begins each turn with [`ReadsPerTurn::begin`].
+#[derive(Debug, Clone)]
+pub(crate) struct ReadsPerTurn {
+    read: Arc<AtomicUsize>,
+    most: usize,
+}
+
+impl ReadsPerTurn {
+    pub(crate) fn new(most: usize) -> Self {
+        ReadsPerTurn {
+            read: Arc::default(),
+            most,
+        }
+    }
+
+    /// A turn begins: nothing read in it yet.
+    pub(crate) fn begin(&self) {
+        self.read.store(0, Ordering::Relaxed);
+    }
+
+    fn spent(&self) -> bool {
+        self.read.load(Ordering::Relaxed) >= self.most
+    }
+
+    fn add(&self, bytes: usize) {
+        self.read.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// An engine connection's socket: reads the server's frames until its first
+/// SETTINGS frame is complete and records the stream limit, tells its watch
+/// how the connection ended, and reads no more than its turn allows;
+/// everything passes untouched.
+pub struct EngineSocket<S> {
     inner: S,
     /// `None` once the first SETTINGS frame was read; else the reader, the
     /// payload so far, and its bytes still to come once the frame started.
@@ -150,16 +184,25 @@ pub struct SettingsSpy<S> {
     limit: StreamLimit,
     /// Told once how the connection ended, if it is watched.
     watch: Option<ConnectionWatch>,
+    /// Past its allowance, a read waits for the next turn of the task.
+    turn: Option<ReadsPerTurn>,
 }
 
-impl<S> SettingsSpy<S> {
+impl<S> EngineSocket<S> {
     fn new(inner: S, limit: StreamLimit) -> Self {
-        SettingsSpy {
+        EngineSocket {
             inner,
             reading: Some((FrameReader::server_side(), SettingsPayload::default(), None)),
             limit,
             watch: None,
+            turn: None,
         }
+    }
+
+    /// Reads at most `turn`'s allowance per turn of the task polling it.
+    pub(crate) fn reads_per_turn(mut self, turn: ReadsPerTurn) -> Self {
+        self.turn = Some(turn);
+        self
     }
 
     fn saw(&mut self, bytes: &[u8]) {
@@ -194,15 +237,23 @@ impl<S> SettingsSpy<S> {
     }
 }
 
-impl<S: AsyncRead + Unpin> AsyncRead for SettingsSpy<S> {
+impl<S: AsyncRead + Unpin> AsyncRead for EngineSocket<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.turn.as_ref().is_some_and(ReadsPerTurn::spent) {
+            // Not now: the rest of this turn first, then another one.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         let before = buf.filled().len();
         let read = ready!(Pin::new(&mut this.inner).poll_read(cx, buf));
+        if let Some(turn) = &this.turn {
+            turn.add(buf.filled().len() - before);
+        }
         if let Some(watch) = &this.watch {
             match &read {
                 Err(e) => watch.ended(|| format!("connection error: {e}")),
@@ -220,7 +271,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for SettingsSpy<S> {
     }
 }
 
-impl<S> Drop for SettingsSpy<S> {
+impl<S> Drop for EngineSocket<S> {
     fn drop(&mut self) {
         if let Some(watch) = &self.watch {
             // Dropped without an end from the engine: the HTTP/2 layer gave up
@@ -230,7 +281,7 @@ impl<S> Drop for SettingsSpy<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for SettingsSpy<S> {
+impl<S: AsyncWrite + Unpin> AsyncWrite for EngineSocket<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -280,7 +331,7 @@ mod tests {
         bytes.extend(frame(kind::SETTINGS, flag::ACK, &[]));
         for split in 1..=bytes.len() {
             let limit = StreamLimit::default();
-            let mut spy = SettingsSpy::new((), limit.clone());
+            let mut spy = EngineSocket::new((), limit.clone());
             for chunk in bytes.chunks(split) {
                 spy.saw(chunk);
             }
@@ -288,7 +339,7 @@ mod tests {
             assert!(spy.reading.is_none(), "done after the first SETTINGS");
         }
         let unlimited = StreamLimit::default();
-        let mut spy = SettingsSpy::new((), unlimited.clone());
+        let mut spy = EngineSocket::new((), unlimited.clone());
         spy.saw(&frame(kind::SETTINGS, 0, &[]));
         assert_eq!(unlimited.get(), None, "no limit given: unlimited");
         assert!(spy.reading.is_none());

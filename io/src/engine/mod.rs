@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
-pub(crate) use connector::open as open_connection;
 pub use connector::{ConnectionWatch, EngineConnector, StreamLimit};
+pub(crate) use connector::{ReadsPerTurn, open as open_connection};
 
 use crate::discovery::ModelRecord;
 use crate::report::error_chain;

@@ -15,21 +15,18 @@
 //! connection that closed (the engine went away) is opened again by the next
 //! call that leases it.
 
-use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use h2::SendStream;
 use h2::client::{ResponseFuture, SendRequest};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::engine::{
     ChannelSettings, ENGINE_CONNECTION_WINDOW, ENGINE_MAX_HEADER_LIST_BYTES, ENGINE_STREAM_WINDOW,
-    StreamLimit,
+    ReadsPerTurn, StreamLimit,
 };
 
 /// Why a call could not be sent to the engine.
@@ -166,14 +163,12 @@ impl Drop for Lease {
 /// that drives it and pings the engine every keepalive interval.
 async fn connect(target: &Target) -> Result<Open, SendError> {
     let settings = target.settings;
-    let read = Arc::new(AtomicUsize::new(0));
+    let turn = ReadsPerTurn::new(READ_PER_TURN);
     let handshake = async {
-        let io = TurnReads {
-            inner: crate::engine::open_connection(&target.address, target.limit.clone())
-                .await?
-                .into_inner(),
-            read: read.clone(),
-        };
+        let io = crate::engine::open_connection(&target.address, target.limit.clone())
+            .await?
+            .into_inner()
+            .reads_per_turn(turn.clone());
         let handshake = h2::client::Builder::new()
             .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
             .initial_window_size(ENGINE_STREAM_WINDOW)
@@ -202,12 +197,12 @@ async fn connect(target: &Target) -> Result<Open, SendError> {
             settings.keepalive_interval,
             settings.keepalive_timeout,
         );
-        let turn = std::future::poll_fn(|cx| {
-            read.store(0, Ordering::Relaxed);
+        let driven = std::future::poll_fn(|cx| {
+            turn.begin();
             Pin::new(&mut connection).poll(cx)
         });
         let how = tokio::select! {
-            result = turn => match result {
+            result = driven => match result {
                 Ok(()) => "closed".to_string(),
                 Err(e) => crate::report::error_chain(&e),
             },
@@ -220,62 +215,6 @@ async fn connect(target: &Target) -> Result<Open, SendError> {
         tracing::debug!("request plane: an engine connection ended: {how}");
     });
     Ok(Open { sender, closed })
-}
-
-/// An engine connection's socket, read at most [`READ_PER_TURN`] bytes per
-/// turn of its task (the task sets `read` back to 0 as each turn begins).
-struct TurnReads<S> {
-    inner: S,
-    read: Arc<AtomicUsize>,
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for TurnReads<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if self.read.load(Ordering::Relaxed) >= READ_PER_TURN {
-            // Not now: the rest of this turn first, then another one.
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        let read = buf.filled().len() - before;
-        self.read.fetch_add(read, Ordering::Relaxed);
-        polled
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for TurnReads<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
 }
 
 /// Pings the engine every `interval` and returns why the connection must be
