@@ -552,11 +552,15 @@ pub fn reconcile(
             }
             // A call the engine was still generating when the caller lost it must
             // reach the engine as a reset. (A frozen engine may finish a call after
-            // it was cut: "done" at the engine then means generated, not delivered.)
+            // it was cut: "done" at the engine then means generated, not delivered.
+            // Nor does a call the engine answered with an error at once: a relay
+            // that held its request while silent delivers it after the sidecar
+            // cut it, and there is nothing left to reset.)
             Seen::Cut | Seen::Cancelled
                 if engine_survived
                     && saw
                     && !journal.has("done", id)
+                    && !journal.has("error", id)
                     && !journal.has("cancelled", id)
                     && !journal.has("aborted", id) =>
             {
