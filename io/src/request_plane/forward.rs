@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
-use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body::{Body as HttpBody, Frame};
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tonic::Code;
 use tonic::body::Body;
@@ -234,7 +234,7 @@ async fn answer(
                             Unanswered::Engine(crate::report::error_chain(e.as_ref()))
                         }));
                     }
-                    caller_gone(respond.poll_reset(cx))
+                    respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
                 })
                 .await?
             };
@@ -260,7 +260,7 @@ async fn answer(
                     head.map_err(|e| Unanswered::Engine(crate::report::error_chain(&e))),
                 );
             }
-            caller_gone(respond.poll_reset(cx))
+            respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
         })
         .await?;
         Ok::<_, Unanswered>((head, pump))
@@ -330,13 +330,14 @@ async fn answer(
     })
 }
 
-/// `Ready` once the caller has reset its stream (or the connection failed
-/// under it), for a poll that would otherwise wait.
-fn caller_gone<T>(reset: Poll<Result<h2::Reason, h2::Error>>) -> Poll<Result<T, Unanswered>> {
-    match reset {
-        Poll::Ready(_) => Poll::Ready(Err(Unanswered::CallerGone)),
-        Poll::Pending => Poll::Pending,
-    }
+/// Ends a stream with trailers, first giving back the window it had claimed
+/// for data that will not come.
+fn send_trailers(
+    stream: &mut SendStream<Bytes>,
+    trailers: http::HeaderMap,
+) -> Result<(), h2::Error> {
+    stream.reserve_capacity(0);
+    stream.send_trailers(trailers)
 }
 
 /// What may end a call from outside it: the cut at the drain deadline and
@@ -526,10 +527,7 @@ impl RequestPump {
                 // The request's DATA is over: trailers, or its end.
                 None => {
                     let sent = match ready!(self.inner.poll_trailers(cx)) {
-                        Ok(Some(trailers)) => {
-                            self.engine.reserve_capacity(0);
-                            self.engine.send_trailers(trailers)
-                        }
+                        Ok(Some(trailers)) => send_trailers(&mut self.engine, trailers),
                         Ok(None) => self.engine.send_data(Bytes::new(), true),
                         Err(_) => {
                             self.engine.send_reset(h2::Reason::CANCEL);
@@ -641,23 +639,15 @@ impl Relay {
     /// Waits for the engine, and for the caller's reset: a caller who gives
     /// up ends the call now (the engine stream is reset when it is dropped).
     fn wait_for_engine(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        match self.caller.poll_reset(cx) {
-            Poll::Ready(_) => Poll::Ready(()),
-            Poll::Pending => Poll::Pending,
-        }
+        self.caller.poll_reset(cx).map(|_| ())
     }
 
     /// Ends the call with a status in the trailers, dropping the engine stream.
     fn end_with(&mut self, outcome: CallOutcome, code: Code, message: &str) -> Poll<()> {
         self.drop_engine_stream();
         self.guard.call.set_outcome(outcome);
-        self.send_trailers(status_trailers(code, message));
+        let _ = send_trailers(&mut self.caller, status_trailers(code, message));
         Poll::Ready(())
-    }
-
-    fn send_trailers(&mut self, trailers: http::HeaderMap) {
-        self.caller.reserve_capacity(0);
-        let _ = self.caller.send_trailers(trailers);
     }
 
     /// Drops both halves of the engine stream: the call is over (a reset, if
@@ -689,7 +679,7 @@ impl Relay {
             .call
             .set_outcome(CallOutcome::of_engine_status(trailers.get("grpc-status")));
         self.drop_engine_stream();
-        self.send_trailers(trailers);
+        let _ = send_trailers(&mut self.caller, trailers);
         Poll::Ready(())
     }
 }
@@ -738,10 +728,6 @@ impl HttpBody for RequestBody {
     fn is_end_stream(&self) -> bool {
         self.inner.is_end_stream()
     }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
-    }
 }
 
 /// Sends a response made here (the sidecar's own health) to the caller: its
@@ -772,12 +758,8 @@ async fn send_body(mut respond: SendResponse<Bytes>, response: http::Response<Bo
                     let _ = caller.send_data(Bytes::new(), true);
                     return Poll::Ready(());
                 }
-                Poll::Pending => {
-                    return match caller.poll_reset(cx) {
-                        Poll::Ready(_) => Poll::Ready(()),
-                        Poll::Pending => Poll::Pending,
-                    };
-                }
+                // A caller who gives up ends the answer now.
+                Poll::Pending => return caller.poll_reset(cx).map(|_| ()),
             };
             match frame.into_data() {
                 Ok(data) => {
@@ -788,8 +770,7 @@ async fn send_body(mut respond: SendResponse<Bytes>, response: http::Response<Bo
                 }
                 Err(frame) => {
                     if let Ok(trailers) = frame.into_trailers() {
-                        caller.reserve_capacity(0);
-                        let _ = caller.send_trailers(trailers);
+                        let _ = send_trailers(&mut caller, trailers);
                         return Poll::Ready(());
                     }
                 }
