@@ -14,6 +14,8 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 # The etcd discovery tests start a real etcd of their own.
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+# The tests' Python packages go into a venv (below); Debian ships venv apart.
+python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # deploy/: the systemd unit is checked with systemd-analyze, the image built
 # with podman (or buildah).
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
@@ -29,19 +31,20 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
   # Debian starts a system etcd on install where it can; the tests use their own.
 fi
-# A real gRPC C-core client (Python grpcio) checks what callers read through the
-# sidecar (hardening::a_grpcio_caller_sees_the_engines_trailers_only_status_unchanged).
-if ! python3 -c 'import grpc' 2>/dev/null; then
-  log "installing grpcio (pip)"
-  python3 -m pip install --quiet grpcio
+# The tests' Python, in a venv of their own (first on PATH, so the tests'
+# `python3` is this one): a real gRPC C-core client (grpcio) checks what callers
+# read through the sidecar (hardening::a_grpcio_caller_sees_the_engines_trailers_only_status_unchanged);
+# the Prometheus project's parsers (prometheus-client) read /metrics
+# (metrics::metrics_after_a_fault_run_...); the Kubernetes manifests are
+# validated offline against the API schemas (kubernetes-validate carries them)
+# and check-deploy.py reads them with PyYAML.
+test_venv=target/test-venv
+if ! "$test_venv/bin/python" -c 'import grpc, prometheus_client, kubernetes_validate, yaml' 2>/dev/null; then
+  log "installing grpcio, prometheus-client, kubernetes-validate, PyYAML into $test_venv (pip)"
+  python3 -m venv "$test_venv"
+  "$test_venv/bin/pip" install --quiet grpcio prometheus-client kubernetes-validate pyyaml
 fi
-
-# The Kubernetes manifests are validated offline against the API schemas
-# (kubernetes-validate carries them); check-deploy.py reads them with PyYAML.
-if ! python3 -c "import kubernetes_validate, yaml" 2>/dev/null; then
-  log "installing kubernetes-validate (pip)"
-  python3 -m pip install --quiet kubernetes-validate pyyaml
-fi
+export PATH="$PWD/$test_venv/bin:$PATH"
 
 # Dynamo's frontend for llm-sidecar-dynamo's tests (dynamo/tests/frontend),
 # as docs/DYNAMO.md installs it: the runtime wheel, the Python entry points

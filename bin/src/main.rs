@@ -22,6 +22,7 @@ macro_rules! out {
 mod cli;
 mod commands;
 mod runtime;
+mod shared;
 
 use std::process::ExitCode;
 

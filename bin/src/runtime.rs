@@ -3,7 +3,7 @@
 
 pub use llm_sidecar_io::process::{EXIT_RUNTIME, runtime, shutdown_signals};
 
-use crate::cli::LogFormat;
+use crate::shared::LogFormat;
 
 /// Sets up tracing to stderr in the chosen format.
 pub fn init_logging(format: LogFormat) {

@@ -29,6 +29,7 @@
 #![deny(clippy::disallowed_methods)]
 
 mod action;
+mod codes;
 mod config;
 mod event;
 pub mod gate;

@@ -8,63 +8,7 @@
 use crate::event::LivenessObservation;
 use crate::loss::LossReason;
 
-/// `grpc.health.v1.HealthCheckResponse.ServingStatus` values, as raw numbers.
-pub mod serving_status {
-    /// UNKNOWN
-    pub const UNKNOWN: i32 = 0;
-    /// SERVING
-    pub const SERVING: i32 = 1;
-    /// NOT_SERVING
-    pub const NOT_SERVING: i32 = 2;
-    /// SERVICE_UNKNOWN (used only by Watch)
-    pub const SERVICE_UNKNOWN: i32 = 3;
-}
-
-/// gRPC status codes the interpretation cares about.
-pub mod grpc_code {
-    /// NOT_FOUND: tonic-health's answer for an unregistered service.
-    pub const NOT_FOUND: i32 = 5;
-    /// UNIMPLEMENTED: the engine has no grpc.health.v1 service at all.
-    pub const UNIMPLEMENTED: i32 = 12;
-}
-
-/// The canonical upper-case name of a gRPC status code (`UNAVAILABLE`), or its number.
-pub fn grpc_code_name(code: i32) -> String {
-    const NAMES: [&str; 17] = [
-        "OK",
-        "CANCELLED",
-        "UNKNOWN",
-        "INVALID_ARGUMENT",
-        "DEADLINE_EXCEEDED",
-        "NOT_FOUND",
-        "ALREADY_EXISTS",
-        "PERMISSION_DENIED",
-        "RESOURCE_EXHAUSTED",
-        "FAILED_PRECONDITION",
-        "ABORTED",
-        "OUT_OF_RANGE",
-        "UNIMPLEMENTED",
-        "INTERNAL",
-        "UNAVAILABLE",
-        "DATA_LOSS",
-        "UNAUTHENTICATED",
-    ];
-    usize::try_from(code)
-        .ok()
-        .and_then(|i| NAMES.get(i))
-        .map_or_else(|| format!("code {code}"), |s| (*s).to_string())
-}
-
-/// The name of a raw ServingStatus value, or the value itself when outside the enum.
-pub fn serving_status_name(raw: i32) -> String {
-    match raw {
-        serving_status::UNKNOWN => "UNKNOWN".into(),
-        serving_status::SERVING => "SERVING".into(),
-        serving_status::NOT_SERVING => "NOT_SERVING".into(),
-        serving_status::SERVICE_UNKNOWN => "SERVICE_UNKNOWN".into(),
-        other => other.to_string(),
-    }
-}
+pub use crate::codes::{grpc_code, grpc_code_name, serving_status, serving_status_name};
 
 /// What the watch has shown so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

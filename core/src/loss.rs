@@ -7,7 +7,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::liveness::{grpc_code_name, serving_status_name};
+use crate::codes::{grpc_code_name, serving_status_name};
 use crate::time::HumanDuration;
 
 /// One way the engine can be lost (docs/CONTRACT.md, "What counts as a loss").

@@ -23,6 +23,7 @@ use std::time::SystemTime;
 use llm_sidecar_core::{
     Action, Admission, Config as CoreConfig, Event, ExitReason, Health, Level, Lifecycle, Time,
 };
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -214,6 +215,9 @@ struct Driver {
     startup: engine::startup::StartupWait,
     /// Where a start-up wait reports the engine ready (`inputs.ready`).
     ready_tx: mpsc::Sender<EngineReady>,
+    /// When admission last closed, until the gate says drained: the start of
+    /// the drain's duration.
+    drain_started: Option<std::time::Instant>,
 }
 
 impl Driver {
@@ -231,25 +235,8 @@ impl Driver {
             Front::Proxy => Some(crate::net::bind("request plane", config.listen).await?),
             Front::Hosted { .. } => None,
         };
-        let engine_endpoint =
-            engine::endpoint(&config.engine_endpoint, config.timings.engine_channel()).map_err(
-                |e| RunError::Engine {
-                    address: config.engine_endpoint.clone(),
-                    message: e.to_string(),
-                },
-            )?;
+        let (engine_endpoint, stream_limit, pool) = engine_side(&config)?;
         let own_health = OwnHealth::new();
-        let stream_limit = engine::StreamLimit::default();
-        let pool = request_plane::EnginePool::new(
-            &config.engine_endpoint,
-            config.timings.engine_channel(),
-            stream_limit.clone(),
-            config.limits.engine_connections as usize,
-        )
-        .map_err(|e| RunError::Engine {
-            address: config.engine_endpoint.clone(),
-            message: e.to_string(),
-        })?;
         let plane = Arc::new(Plane::new(pool, &own_health, config.limits));
         let instance_id = match front {
             Front::Proxy => new_instance_id(),
@@ -269,20 +256,13 @@ impl Driver {
             s.instance_id = instance_hex.clone();
         });
         let connections = TaskTracker::new();
-        tokio::spawn(admin::http::serve(
-            admin_listener,
-            admin::routes::handler(status.clone(), plane.clone()),
-            root.child_token(),
-        ));
-        if let Some(listener) = listener {
-            tokio::spawn(request_plane::serve(
-                listener,
-                config.tls.clone(),
-                plane.clone(),
-                root.child_token(),
-                connections.clone(),
-            ));
-        }
+        spawn_servers(
+            (admin_listener, listener),
+            &config,
+            &plane,
+            &status,
+            (&root, &connections),
+        );
         let (ready_tx, ready) = mpsc::channel(1);
         let wait = engine::startup::StartupWait {
             choice: config.engine,
@@ -329,6 +309,7 @@ impl Driver {
             discovery_ops,
             startup: wait,
             ready_tx,
+            drain_started: None,
         })
     }
 
@@ -352,8 +333,12 @@ impl Driver {
                 Action::Withdraw => {
                     let _ = self.discovery_ops.send(DiscoveryOp::Withdraw);
                 }
-                Action::SetAdmission(Admission::Open) => self.plane.gate.open(),
+                Action::SetAdmission(Admission::Open) => {
+                    self.drain_started = None;
+                    self.plane.gate.open();
+                }
                 Action::SetAdmission(Admission::Closed) => {
+                    self.drain_started = Some(std::time::Instant::now());
                     if self.plane.gate.close().drained {
                         self.plane.drained.notify_one();
                     }
@@ -461,7 +446,13 @@ impl Driver {
                 self.inputs.shutdown = None;
                 return;
             }
-            Input::Drained => return,
+            Input::Drained => {
+                if let Some(started) = self.drain_started.take() {
+                    let took = started.elapsed().as_secs_f64();
+                    self.status.update(|s| s.times.drain.observe(took));
+                }
+                return;
+            }
             Input::Timeout => return self.lifecycle.handle_timeout(now),
         };
         self.lifecycle.handle_event(now, event);
@@ -595,6 +586,63 @@ impl Driver {
 
 /// Starts the discovery worker; returns where to send it writes, and where it
 /// reports that the store dropped the record.
+/// The engine's side, before anything is contacted: the endpoint start-up
+/// and monitors call, the stream limit they learn, and the request plane's
+/// pool of engine connections.
+fn engine_side(
+    config: &RunConfig,
+) -> Result<
+    (
+        tonic::transport::Endpoint,
+        engine::StreamLimit,
+        request_plane::EnginePool,
+    ),
+    RunError,
+> {
+    let bad_address = |message: String| RunError::Engine {
+        address: config.engine_endpoint.clone(),
+        message,
+    };
+    let channel = config.timings.engine_channel();
+    let endpoint = engine::endpoint(&config.engine_endpoint, channel)
+        .map_err(|e| bad_address(e.to_string()))?;
+    let stream_limit = engine::StreamLimit::default();
+    let pool = request_plane::EnginePool::new(
+        &config.engine_endpoint,
+        channel,
+        stream_limit.clone(),
+        config.limits.engine_connections as usize,
+    )
+    .map_err(|e| bad_address(e.to_string()))?;
+    Ok((endpoint, stream_limit, pool))
+}
+
+/// Serves the admin port and (for the proxy) the request plane, each until
+/// `root` is cancelled; the request plane's connections are tracked by
+/// `connections`.
+fn spawn_servers(
+    (admin_listener, listener): (TcpListener, Option<TcpListener>),
+    config: &RunConfig,
+    plane: &Arc<Plane>,
+    status: &Shared,
+    (root, connections): (&CancellationToken, &TaskTracker),
+) {
+    tokio::spawn(admin::http::serve(
+        admin_listener,
+        admin::routes::handler(status.clone(), plane.clone()),
+        root.child_token(),
+    ));
+    if let Some(listener) = listener {
+        tokio::spawn(request_plane::serve(
+            listener,
+            config.tls.clone(),
+            plane.clone(),
+            root.child_token(),
+            connections.clone(),
+        ));
+    }
+}
+
 fn spawn_discovery_worker<D: Discovery>(
     discovery: Arc<D>,
     events: mpsc::Sender<Event>,
@@ -650,7 +698,7 @@ fn record(config: &RunConfig, instance_hex: &str, info: &EngineInfo) -> Record {
         },
         model: info.model.clone(),
         pid: std::process::id(),
-        registered_at: crate::timefmt::rfc3339(SystemTime::now()),
+        registered_at: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
     }
 }
 

@@ -7,8 +7,8 @@
 //! The rooms (docs/ARCHITECTURE.md has the map): [`driver`] (the loop),
 //! [`engine`] (profiles, start-up, monitors), [`discovery`] (the record and its
 //! backends), [`request_plane`] (the proxy), [`admin`] (the admin port), and
-//! the leaves every room may use: [`parse`], [`net`], [`tls`], [`report`],
-//! [`timefmt`] and the exit bounds.
+//! the leaves every room may use: [`parse`], [`net`], [`tls`], [`report`] and
+//! the exit bounds.
 //!
 //! [`Lifecycle`]: llm_sidecar_core::Lifecycle
 
@@ -24,7 +24,6 @@ pub mod parse;
 pub mod process;
 pub mod report;
 pub mod request_plane;
-pub mod timefmt;
 pub mod tls;
 
 pub use config::{RunConfig, Timings};

@@ -68,53 +68,23 @@ pub enum ConfigError {
     },
 }
 
-/// Parses `300ms`, `5s`, `1.5s`, `2m`, `1h`, `1h30m`, `250us`: a sequence of
-/// number-unit pairs. A bare number is refused: the unit must be explicit.
+/// The longest duration any flag takes: about 31 years. Longer is a typo.
+const LONGEST: Duration = Duration::from_secs(1_000_000_000);
+
+/// Parses a duration as `humantime` reads it: number-unit pairs such as
+/// `300ms`, `5s`, `1.5s`, `2m`, `1h30m`, `250us`, `2h 15min`, `1day`. A bare
+/// number is refused: the unit must be explicit.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let s = text.trim();
     if s.is_empty() {
         return Err("empty duration; write it like 300ms, 5s or 2m".into());
     }
-    let mut total = Duration::ZERO;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let num_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(|| format!("{text:?} has no unit; write it like 300ms, 5s or 2m"))?;
-        if num_len == 0 {
-            return Err(format!(
-                "{text:?} is not a duration; write it like 300ms, 5s or 2m"
-            ));
-        }
-        let (num, tail) = rest.split_at(num_len);
-        let unit_len = tail
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(tail.len());
-        let (unit, next) = tail.split_at(unit_len);
-        let value: f64 = num
-            .parse()
-            .map_err(|_| format!("{num:?} in {text:?} is not a number"))?;
-        let scale = match unit {
-            "ns" => 1e-9,
-            "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            other => {
-                return Err(format!(
-                    "unknown unit {other:?} in {text:?}; use ns, us, ms, s, m or h"
-                ));
-            }
-        };
-        let secs = value * scale;
-        if !secs.is_finite() || secs > 1e9 {
-            return Err(format!("{text:?} is too long"));
-        }
-        total += Duration::from_secs_f64(secs);
-        rest = next;
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{text:?} is not a duration ({e}); write it like 300ms, 5s or 2m"))?;
+    if d > LONGEST {
+        return Err(format!("{text:?} is too long"));
     }
-    Ok(total)
+    Ok(d)
 }
 
 /// Checks that `value` is `host:port` (`[v6]:port` for IPv6) without resolving it.
@@ -184,11 +154,15 @@ mod tests {
             ("1h30m", Duration::from_secs(5400)),
             ("250us", Duration::from_micros(250)),
             ("0s", Duration::ZERO),
+            ("2h 15min", Duration::from_secs(8100)),
+            ("1day", Duration::from_secs(86_400)),
         ];
         for (text, want) in ok {
             assert_eq!(parse_duration(text), Ok(want), "{text}");
         }
-        for bad in ["", "5", "s", "5x", "-1s", "1..5s", "1e9h", "5 s s"] {
+        for bad in [
+            "", "5", "s", "5x", "-1s", "1..5s", "1e9h", "5 s s", "100years",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
         }
     }

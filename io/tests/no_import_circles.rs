@@ -1,9 +1,11 @@
-//! The IO layer's rooms form a hierarchy: no room uses another that uses it
-//! back (directly or around a longer circle). Leaves such as `parse` and `net`
-//! use nothing; the driver, at the top, may use everything.
+//! The rooms of the house form hierarchies: in the IO layer, the core and the
+//! binary, no room uses another that uses it back (directly or around a longer
+//! circle). Leaves such as `parse` and `net` use nothing; the driver, at the
+//! top, may use everything.
 //!
 //! Read from the sources: every `crate::<room>` a file mentions outside
-//! comments is an edge from the file's room to that room.
+//! comments is an edge from the file's room to that room (a room is a file or
+//! a directory directly under `src/`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -41,9 +43,11 @@ fn crate_paths(source: &str) -> BTreeSet<String> {
     rooms
 }
 
-#[test]
-fn no_room_of_the_io_layer_uses_one_that_uses_it_back() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+/// Which rooms each room of the crate at `crate_dir` uses.
+fn rooms_of(crate_dir: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(crate_dir)
+        .join("src");
     let mut uses: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for file in rust_files(&src) {
         let relative = file.strip_prefix(&src).expect("under src");
@@ -53,13 +57,18 @@ fn no_room_of_the_io_layer_uses_one_that_uses_it_back() {
             .and_then(|c| c.as_os_str().to_str())
             .map(|s| s.trim_end_matches(".rs").to_string())
             .expect("a room");
-        if room == "lib" {
+        if room == "lib" || room == "main" {
             continue;
         }
         let source = std::fs::read_to_string(&file).expect("read source");
         let entry = uses.entry(room.clone()).or_default();
         entry.extend(crate_paths(&source).into_iter().filter(|r| *r != room));
     }
+    uses
+}
+
+/// A circle among the rooms, if there is one: the rooms along it.
+fn circle(uses: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     // Depth-first search for a path from each room back to itself.
     fn back_to(
         start: &str,
@@ -84,18 +93,56 @@ fn no_room_of_the_io_layer_uses_one_that_uses_it_back() {
         }
         None
     }
-    for room in uses.keys() {
+    uses.keys().find_map(|room| {
         let mut path = vec![room.clone()];
-        let circle = back_to(room, room, &uses, &mut path, &mut BTreeSet::new());
-        assert!(
-            circle.is_none(),
-            "import circle in io: {}",
-            circle.unwrap_or_default().join(" -> ")
-        );
-    }
+        back_to(room, room, uses, &mut path, &mut BTreeSet::new())
+    })
+}
+
+#[test]
+fn no_room_of_the_io_layer_uses_one_that_uses_it_back() {
+    let uses = rooms_of(".");
+    let found = circle(&uses);
+    assert!(
+        found.is_none(),
+        "import circle in io: {}",
+        found.unwrap_or_default().join(" -> ")
+    );
     assert!(
         uses.get("parse").is_some_and(BTreeSet::is_empty),
         "parse is a leaf: {:?}",
         uses.get("parse")
+    );
+}
+
+#[test]
+fn no_room_of_the_core_uses_one_that_uses_it_back() {
+    let uses = rooms_of("../core");
+    let found = circle(&uses);
+    assert!(
+        found.is_none(),
+        "import circle in core: {}",
+        found.unwrap_or_default().join(" -> ")
+    );
+    assert!(
+        uses.get("codes").is_some_and(BTreeSet::is_empty),
+        "codes is a leaf: {:?}",
+        uses.get("codes")
+    );
+}
+
+#[test]
+fn no_room_of_the_binary_uses_one_that_uses_it_back() {
+    let uses = rooms_of("../bin");
+    let found = circle(&uses);
+    assert!(
+        found.is_none(),
+        "import circle in bin: {}",
+        found.unwrap_or_default().join(" -> ")
+    );
+    assert!(
+        uses.get("shared").is_some_and(BTreeSet::is_empty),
+        "shared is a leaf: {:?}",
+        uses.get("shared")
     );
 }

@@ -5,8 +5,8 @@ use std::time::Duration;
 use clap::Args;
 use llm_sidecar_io::parse_host_port;
 
-use crate::cli::{EXIT_USAGE, duration, engine_kind};
 use crate::runtime::runtime;
+use crate::shared::{EXIT_USAGE, duration, engine_kind};
 
 /// Flags of `llm-sidecar bench`.
 #[derive(Debug, Args)]

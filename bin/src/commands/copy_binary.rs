@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use crate::cli::EXIT_USAGE;
+use crate::shared::EXIT_USAGE;
 
 /// Writing the copy failed (sysexits' EX_CANTCREAT).
 pub const EXIT_CANNOT_WRITE: i32 = 73;

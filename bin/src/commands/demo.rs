@@ -5,6 +5,7 @@
 //! sidecar, makes the engine lose liveness with a call in flight, and prints a
 //! timeline of what an operator would see. Cleans up after itself.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +15,7 @@ use llm_sidecar_io::engine::EngineKind;
 use llm_sidecar_loadgen::generate::{generate, tokens_of};
 use llm_sidecar_loadgen::local::{free_loopback_addr, http_get, poll_until, record_files};
 
-use crate::cli::engine_kind;
+use crate::shared::engine_kind;
 
 /// Flags of `llm-sidecar demo`.
 #[derive(Debug, Args)]
@@ -77,9 +78,15 @@ pub fn run(args: DemoArgs) -> i32 {
     }
 }
 
+/// The loopback addresses of one demo.
+struct Addrs {
+    engine: SocketAddr,
+    control: SocketAddr,
+    listen: SocketAddr,
+    admin: SocketAddr,
+}
+
 fn demo(kind: EngineKind) -> Result<(), String> {
-    let profile = kind.profile();
-    let engine_name = profile.display_name;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     let dir = std::env::temp_dir().join(format!("llm-sidecar-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -89,10 +96,63 @@ fn demo(kind: EngineKind) -> Result<(), String> {
         children: Vec::new(),
     };
     let addr = || free_loopback_addr().map_err(|e| format!("no free loopback port: {e}"));
-    let (engine, control, listen, admin) = (addr()?, addr()?, addr()?, addr()?);
+    let addrs = Addrs {
+        engine: addr()?,
+        control: addr()?,
+        listen: addr()?,
+        admin: addr()?,
+    };
     let discovery = dir.join("discovery");
     let sidecar_log = dir.join("sidecar.log");
 
+    start_engine_and_sidecar(&mut demo, &exe, kind, &addrs, &discovery, &sidecar_log)?;
+    let record = show_registration(&demo, &discovery, &sidecar_log)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let long_call = serve_calls(&demo, &runtime, kind, addrs.listen)?;
+    fail_the_engine(&demo, &runtime, kind, &addrs, &record)?;
+    let long = runtime.block_on(long_call).map_err(|e| e.to_string())?;
+    match long {
+        Ok(n) => demo.say(format!(
+            "the in-flight call drained: all {n} tokens delivered"
+        )),
+        Err(s) => demo.say(format!(
+            "the in-flight call ended with {:?}: {}",
+            s.code(),
+            s.message()
+        )),
+    }
+    let code = wait_for_exit(&mut demo, &sidecar_log)?;
+    let _ = http_get(addrs.control, "/stop", HTTP_READ);
+    if code != 1 {
+        return Err(format!(
+            "expected exit code 1 after the engine loss, got {code}"
+        ));
+    }
+    Ok(())
+}
+
+/// Starts the mock engine of `kind` and a sidecar beside it that is not told
+/// the kind.
+fn start_engine_and_sidecar(
+    demo: &mut Demo,
+    exe: &Path,
+    kind: EngineKind,
+    addrs: &Addrs,
+    discovery: &Path,
+    sidecar_log: &Path,
+) -> Result<(), String> {
+    let profile = kind.profile();
+    let engine_name = profile.display_name;
+    let Addrs {
+        engine,
+        control,
+        listen,
+        admin,
+    } = addrs;
     outln!(
         "llm-sidecar demo: a mock {engine_name} engine ({}), the sidecar beside it, and an engine failure.\n",
         profile.service
@@ -101,7 +161,7 @@ fn demo(kind: EngineKind) -> Result<(), String> {
         "starting the mock {engine_name} engine on {engine}"
     ));
     let mock = spawn(
-        &exe,
+        exe,
         &[
             "mock-engine",
             "--kind",
@@ -114,7 +174,7 @@ fn demo(kind: EngineKind) -> Result<(), String> {
             "5ms",
         ]
         .map(String::from),
-        &dir.join("mock.log"),
+        &demo.dir.join("mock.log"),
     )
     .map_err(|e| format!("cannot start the mock engine: {e}"))?;
     demo.children.push(mock);
@@ -122,7 +182,7 @@ fn demo(kind: EngineKind) -> Result<(), String> {
         "starting llm-sidecar: engine {engine} (kind: auto), request plane {listen}, admin {admin}"
     ));
     let sidecar = spawn(
-        &exe,
+        exe,
         &[
             "run",
             "--engine-endpoint",
@@ -141,21 +201,25 @@ fn demo(kind: EngineKind) -> Result<(), String> {
             "5s",
         ]
         .map(String::from),
-        &sidecar_log,
+        sidecar_log,
     )
     .map_err(|e| format!("cannot start the sidecar: {e}"))?;
     demo.children.push(sidecar);
+    Ok(())
+}
 
+/// Waits for the record and shows what the sidecar detected and registered.
+fn show_registration(demo: &Demo, discovery: &Path, sidecar_log: &Path) -> Result<PathBuf, String> {
     if !poll_until(Duration::from_secs(30), POLL, || {
-        record_files(&discovery).len() == 1
+        record_files(discovery).len() == 1
     }) {
         return Err(format!(
             "the sidecar did not register; see {}",
             sidecar_log.display()
         ));
     }
-    let record = record_files(&discovery).remove(0);
-    if let Some(line) = std::fs::read_to_string(&sidecar_log).ok().and_then(|log| {
+    let record = record_files(discovery).remove(0);
+    if let Some(line) = std::fs::read_to_string(sidecar_log).ok().and_then(|log| {
         log.lines()
             .find(|l| l.contains("following it as"))
             .map(str::to_string)
@@ -177,12 +241,19 @@ fn demo(kind: EngineKind) -> Result<(), String> {
             outln!("           {}", line.trim());
         }
     }
+    Ok(record)
+}
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| format!("runtime: {e}"))?;
+/// A long call still streaming when the engine fails.
+type LongCall = tokio::task::JoinHandle<Result<usize, tonic::Status>>;
+
+/// Three calls answered through the sidecar, then a long one left in flight.
+fn serve_calls(
+    demo: &Demo,
+    runtime: &tokio::runtime::Runtime,
+    kind: EngineKind,
+    listen: SocketAddr,
+) -> Result<LongCall, String> {
     let (answered, long_call) = runtime.block_on(async {
         let channel = llm_sidecar_loadgen::connect(&listen.to_string())
             .await
@@ -202,13 +273,25 @@ fn demo(kind: EngineKind) -> Result<(), String> {
     demo.say(format!(
         "3 Generate calls answered through the sidecar ({answered} tokens streamed)"
     ));
+    Ok(long_call)
+}
+
+/// The engine's health turns NOT_SERVING: the record goes, a new call is
+/// refused.
+fn fail_the_engine(
+    demo: &Demo,
+    runtime: &tokio::runtime::Runtime,
+    kind: EngineKind,
+    addrs: &Addrs,
+    record: &Path,
+) -> Result<(), String> {
     std::thread::sleep(Duration::from_millis(200));
     demo.say(format!(
         "a long call (200 tokens) is in flight; now the engine fails: its health service {:?} turns NOT_SERVING",
-        profile.liveness_service
+        kind.profile().liveness_service
     ));
     let flipped = Instant::now();
-    http_get(control, "/liveness?status=2", HTTP_READ)
+    http_get(addrs.control, "/liveness?status=2", HTTP_READ)
         .ok_or("the mock's control endpoint did not answer")?;
     if !poll_until(Duration::from_secs(10), POLL, || !record.exists()) {
         return Err("the record was not withdrawn".into());
@@ -219,7 +302,7 @@ fn demo(kind: EngineKind) -> Result<(), String> {
         withdrawn_after.as_secs_f64() * 1000.0
     ));
     let refused = runtime.block_on(async {
-        let channel = llm_sidecar_loadgen::connect(&listen.to_string())
+        let channel = llm_sidecar_loadgen::connect(&addrs.listen.to_string())
             .await
             .ok()?;
         match generate(kind, channel, "demo-late".into(), 4, 4).await {
@@ -234,17 +317,12 @@ fn demo(kind: EngineKind) -> Result<(), String> {
             status.message()
         ));
     }
-    let long = runtime.block_on(long_call).map_err(|e| e.to_string())?;
-    match long {
-        Ok(n) => demo.say(format!(
-            "the in-flight call drained: all {n} tokens delivered"
-        )),
-        Err(s) => demo.say(format!(
-            "the in-flight call ended with {:?}: {}",
-            s.code(),
-            s.message()
-        )),
-    }
+    Ok(())
+}
+
+/// Waits for the sidecar's exit, shows its log lines that matter and what a
+/// supervisor does next; returns the exit code.
+fn wait_for_exit(demo: &mut Demo, sidecar_log: &Path) -> Result<i32, String> {
     let sidecar = demo.children.last_mut().ok_or("no sidecar")?;
     let mut code = None;
     poll_until(Duration::from_secs(15), POLL, || {
@@ -254,7 +332,7 @@ fn demo(kind: EngineKind) -> Result<(), String> {
     let code = code.ok_or("the sidecar did not exit")?;
     demo.say(format!("the sidecar exited with code {code}"));
     outln!();
-    if let Ok(log) = std::fs::read_to_string(&sidecar_log) {
+    if let Ok(log) = std::fs::read_to_string(sidecar_log) {
         outln!("the sidecar's log, as an operator sees it:");
         for line in log
             .lines()
@@ -271,11 +349,5 @@ fn demo(kind: EngineKind) -> Result<(), String> {
          deploy/kubernetes/) it does that without exiting. Exit 0 would mean a clean shutdown after\n\
          SIGTERM; 3, a start-up that never completed; 2, bad flags."
     );
-    let _ = http_get(control, "/stop", HTTP_READ);
-    if code != 1 {
-        return Err(format!(
-            "expected exit code 1 after the engine loss, got {code}"
-        ));
-    }
-    Ok(())
+    Ok(code)
 }

@@ -5,8 +5,8 @@ use std::time::Duration;
 use clap::Args;
 use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed};
 
-use crate::cli::{EXIT_USAGE, EtcdTlsArgs};
 use crate::runtime::runtime;
+use crate::shared::{EXIT_USAGE, EtcdTlsArgs};
 
 /// Flags of `llm-sidecar instances`.
 #[derive(Debug, Args)]

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::cli::{EXIT_USAGE, LogFormat, duration, engine_kind};
 use crate::runtime::{runtime, shutdown_signals};
+use crate::shared::{EXIT_USAGE, LogFormat, duration, engine_kind};
 
 /// Flags of `llm-sidecar mock-engine`.
 #[derive(Debug, Args)]

@@ -12,7 +12,7 @@ use clap::Args;
 use llm_sidecar_io::engine::check::{CheckError, Checked, check_engine, check_sidecar};
 use llm_sidecar_io::parse_host_port;
 
-use crate::cli::{EXIT_USAGE, EngineKindArg, duration};
+use crate::shared::{EXIT_USAGE, EngineKindArg, duration};
 
 /// Nothing accepted the connection (grpc_health_probe's 2).
 pub const EXIT_NO_CONNECTION: i32 = 2;

@@ -12,8 +12,8 @@ use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::tls::ServerTlsFiles;
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_host_port, parse_key_segment};
 
-use crate::cli::{EXIT_USAGE, EngineKindArg, EtcdTlsArgs, LogFormat, duration};
 use crate::runtime::{runtime, shutdown_signals};
+use crate::shared::{EXIT_USAGE, EngineKindArg, EtcdTlsArgs, LogFormat, duration};
 
 /// Flags of `llm-sidecar run`.
 #[derive(Debug, Args)]

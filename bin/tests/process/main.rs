@@ -17,6 +17,7 @@ mod faults;
 mod hardening;
 mod load;
 mod measure;
+mod metrics;
 mod perf;
 mod probe;
 mod rejoin;

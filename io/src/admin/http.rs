@@ -23,6 +23,9 @@ pub struct Request {
     pub path: String,
     /// The query string's pairs, in order.
     pub query: Vec<(String, String)>,
+    /// The `Accept` header (empty when there is none): `/metrics` answers in
+    /// OpenMetrics when it asks for that.
+    pub accept: String,
 }
 
 impl Request {
@@ -34,6 +37,7 @@ impl Request {
             method: method.to_string(),
             path: path.to_string(),
             query: parse_query(query),
+            accept: String::new(),
         }
     }
 
@@ -149,7 +153,10 @@ pub async fn serve(listener: TcpListener, handler: Handler, cancel: Cancellation
         tokio::spawn(async move {
             let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-                let request = Request::from_target(req.method().as_str(), target);
+                let mut request = Request::from_target(req.method().as_str(), target);
+                if let Some(accept) = req.headers().get(hyper::header::ACCEPT) {
+                    request.accept = String::from_utf8_lossy(accept.as_bytes()).into_owned();
+                }
                 let response = handler(&request);
                 async move {
                     let built = hyper::Response::builder()

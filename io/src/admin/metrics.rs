@@ -1,137 +1,292 @@
-//! `/metrics`: Prometheus text, one family per quantity an operator alerts on.
+//! `/metrics`: one family per quantity an operator alerts on, rendered by
+//! `prometheus-client` in the Prometheus text format (0.0.4) or, for a
+//! scraper that asks for it, in OpenMetrics.
+//!
+//! Each scrape takes a [`Snapshot`] of the values (under the status lock, so
+//! they agree with each other) and hands it to a fresh registry as its one
+//! collector: the families come out in the order written here, every time,
+//! which a person reading the page and the tests both rely on.
 
-use std::fmt::{Display, Write};
 use std::sync::atomic::Ordering::Relaxed;
+
+use llm_sidecar_core::LossReason;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use super::status::Status;
 use crate::request_plane::{CallCounters, CallOutcome};
 
-/// The Prometheus text of `/metrics`: the lifecycle's view from `status`, the
-/// request plane's counters from `calls`, and its caller connections (open,
-/// refused).
-pub(crate) fn render(
-    status: &Status,
-    calls: &CallCounters,
-    in_flight: u64,
-    connections: (usize, u64),
-) -> String {
-    let mut m = String::new();
-    let states = ["Starting", "Serving", "Draining", "Lost", "Exited"]
-        .map(|s| (s, u8::from(status.state == s)));
-    labelled(
-        &mut m,
-        ("llm_sidecar_state", "gauge", "state"),
-        "1 for the lifecycle state the sidecar is in.",
-        states,
-    );
-    labelled(
-        &mut m,
-        ("llm_sidecar_engine_losses_total", "counter", "reason"),
-        "Engine losses accepted while serving, by reason.",
-        status.losses.iter().map(|(kind, n)| (*kind, *n)),
-    );
-    scalar(
-        &mut m,
-        ("llm_sidecar_liveness_watch_status", "gauge"),
-        "Last raw grpc.health.v1 status on the liveness Watch (-1: none yet).",
-        status.liveness_status.unwrap_or(-1),
-    );
-    let age = status
-        .last_fresh_probe
-        .map_or(-1.0, |t| t.elapsed().as_secs_f64());
-    scalar(
-        &mut m,
-        ("llm_sidecar_probe_age_seconds", "gauge"),
-        "Seconds since the last fresh probe answer (-1: none yet).",
-        format!("{age:.3}"),
-    );
-    scalar(
-        &mut m,
-        ("llm_sidecar_discovery_write_failures_total", "counter"),
-        "Discovery writes (register or withdraw) that failed.",
-        status.discovery_write_failures,
-    );
-    let to_withdraw = status.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64());
-    scalar(
-        &mut m,
-        ("llm_sidecar_loss_to_withdraw_seconds", "gauge"),
-        "Time from the engine loss to the confirmed withdrawal (-1: no loss).",
-        format!("{to_withdraw:.6}"),
-    );
-    scalar(
-        &mut m,
-        ("llm_sidecar_in_flight", "gauge"),
-        "Forwarded calls in flight.",
-        in_flight,
-    );
-    scalar(
-        &mut m,
-        ("llm_sidecar_calls_admitted_total", "counter"),
-        "Calls let through admission and forwarded.",
-        calls.admitted.load(Relaxed),
-    );
-    labelled(
-        &mut m,
-        ("llm_sidecar_calls_total", "counter", "outcome"),
-        "Calls on the request plane that ended, by outcome.",
-        CallOutcome::ALL.map(|o| (o.label(), calls.ended(o))),
-    );
-    scalar(
-        &mut m,
-        ("llm_sidecar_caller_connections", "gauge"),
-        "Caller connections open on the request plane.",
-        connections.0,
-    );
-    scalar(
-        &mut m,
-        ("llm_sidecar_caller_connections_refused_total", "counter"),
-        "Caller connections closed at once because --max-connections were open.",
-        connections.1,
-    );
-    labelled(
-        &mut m,
-        ("llm_sidecar_forwarded_bytes_total", "counter", "direction"),
-        "Message bytes forwarded, by direction.",
-        [
-            ("to_engine", calls.bytes_to_engine.load(Relaxed)),
-            ("to_caller", calls.bytes_to_caller.load(Relaxed)),
-        ],
-    );
-    m
+/// How `/metrics` is written, chosen by the scraper's `Accept` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// The Prometheus text format 0.0.4: what every scraper reads.
+    Prometheus,
+    /// OpenMetrics 1.0 text, for a scraper that asks for it.
+    OpenMetrics,
 }
 
-/// A family of one sample: `(name, type)`, its help line, its value.
-fn scalar(m: &mut String, (name, kind): (&str, &str), help: &str, value: impl Display) {
-    family(m, name, kind, help);
-    let _ = writeln!(m, "{name} {value}");
-}
+impl Format {
+    /// OpenMetrics when the `Accept` header names it, else Prometheus text.
+    pub(crate) fn from_accept(accept: &str) -> Format {
+        if accept.contains("application/openmetrics-text") {
+            Format::OpenMetrics
+        } else {
+            Format::Prometheus
+        }
+    }
 
-/// A family with one sample per value of one label: `(name, type, label)`.
-fn labelled<V: Display>(
-    m: &mut String,
-    (name, kind, label): (&str, &str, &str),
-    help: &str,
-    samples: impl IntoIterator<Item = (&'static str, V)>,
-) {
-    family(m, name, kind, help);
-    for (value, n) in samples {
-        let _ = writeln!(m, "{name}{{{label}=\"{value}\"}} {n}");
+    pub(crate) fn content_type(self) -> &'static str {
+        match self {
+            Format::Prometheus => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
     }
 }
 
-/// The `# HELP` and `# TYPE` lines that open one metric family.
-fn family(m: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(m, "# HELP {name} {help}");
-    let _ = writeln!(m, "# TYPE {name} {kind}");
+/// The values of one scrape.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    state: &'static str,
+    losses: Vec<(&'static str, u64)>,
+    liveness_status: i64,
+    probe_age: f64,
+    discovery_write_failures: u64,
+    loss_to_withdraw: f64,
+    in_flight: u64,
+    admitted: u64,
+    ended: [u64; CallOutcome::ALL.len()],
+    connections_open: u64,
+    connections_refused: u64,
+    bytes: [u64; 2],
+    /// The histograms share their counts with the live ones (a clone of a
+    /// `Histogram` is a handle on the same buckets).
+    withdrawal: [Histogram; LossReason::LABELS.len()],
+    drain: Histogram,
+    duration: [Histogram; CallOutcome::ALL.len()],
+    first_message: [Histogram; CallOutcome::ALL.len()],
+}
+
+impl Snapshot {
+    /// The lifecycle's view from `status`, the request plane's counters from
+    /// `calls`, its calls in flight and its caller connections (open, refused).
+    pub(crate) fn take(
+        status: &Status,
+        calls: &CallCounters,
+        in_flight: u64,
+        connections: (usize, u64),
+    ) -> Snapshot {
+        Snapshot {
+            state: status.state,
+            losses: status.losses.iter().map(|(k, n)| (*k, *n)).collect(),
+            liveness_status: status.liveness_status.map_or(-1, i64::from),
+            probe_age: status
+                .last_fresh_probe
+                .map_or(-1.0, |t| t.elapsed().as_secs_f64()),
+            discovery_write_failures: status.discovery_write_failures,
+            loss_to_withdraw: status.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64()),
+            in_flight,
+            admitted: calls.admitted.load(Relaxed),
+            ended: CallOutcome::ALL.map(|o| calls.ended(o)),
+            connections_open: connections.0 as u64,
+            connections_refused: connections.1,
+            bytes: [
+                calls.bytes_to_engine.load(Relaxed),
+                calls.bytes_to_caller.load(Relaxed),
+            ],
+            withdrawal: status.times.withdrawal.clone(),
+            drain: status.times.drain.clone(),
+            duration: calls.duration.clone(),
+            first_message: calls.first_message.clone(),
+        }
+    }
+
+    /// The page, in `format`.
+    pub(crate) fn render(self, format: Format) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(self));
+        let mut text = String::new();
+        // Writing to a String fails only if an encoder refuses a value, and
+        // none of ours is one it refuses (no native-only histogram).
+        let _ = match format {
+            Format::Prometheus => {
+                prometheus_client::encoding::prometheus_text::encode(&mut text, &registry)
+            }
+            Format::OpenMetrics => prometheus_client::encoding::text::encode(&mut text, &registry),
+        };
+        text
+    }
+}
+
+/// A label set of one label.
+type Label = [(&'static str, &'static str); 1];
+
+impl Collector for Snapshot {
+    fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        self.encode_lifecycle(&mut e)?;
+        self.encode_request_plane(&mut e)
+    }
+}
+
+impl Snapshot {
+    /// The lifecycle's families: state, losses, liveness, probe, discovery,
+    /// withdrawal.
+    fn encode_lifecycle(&self, e: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let states = ["Starting", "Serving", "Draining", "Lost", "Exited"]
+            .map(|s| (s, ConstGauge::new(i64::from(self.state == s))));
+        labelled(
+            e,
+            ("llm_sidecar_state", "state"),
+            "1 for the lifecycle state the sidecar is in.",
+            states,
+        )?;
+        labelled(
+            e,
+            ("llm_sidecar_engine_losses", "reason"),
+            "Engine losses accepted while serving, by reason.",
+            self.losses.iter().map(|(k, n)| (*k, ConstCounter::new(*n))),
+        )?;
+        one(
+            e,
+            "llm_sidecar_liveness_watch_status",
+            "Last raw grpc.health.v1 status on the liveness Watch (-1: none yet).",
+            ConstGauge::new(self.liveness_status),
+        )?;
+        one(
+            e,
+            "llm_sidecar_probe_age_seconds",
+            "Seconds since the last fresh probe answer (-1: none yet).",
+            ConstGauge::new(self.probe_age),
+        )?;
+        one(
+            e,
+            "llm_sidecar_discovery_write_failures",
+            "Discovery writes (register or withdraw) that failed.",
+            ConstCounter::new(self.discovery_write_failures),
+        )?;
+        one(
+            e,
+            "llm_sidecar_loss_to_withdraw_seconds",
+            "Time from the engine loss to the confirmed withdrawal (-1: no loss).",
+            ConstGauge::new(self.loss_to_withdraw),
+        )?;
+        labelled(
+            e,
+            ("llm_sidecar_loss_to_withdraw_duration_seconds", "reason"),
+            "Time from an engine loss the lifecycle accepted to the confirmed withdrawal, by \
+             loss reason.",
+            LossReason::LABELS
+                .into_iter()
+                .zip(self.withdrawal.iter().cloned()),
+        )
+    }
+
+    /// The request plane's families: calls, their times, the drain,
+    /// connections, bytes.
+    fn encode_request_plane(&self, e: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        one(
+            e,
+            "llm_sidecar_in_flight",
+            "Forwarded calls in flight.",
+            ConstGauge::new(self.in_flight),
+        )?;
+        one(
+            e,
+            "llm_sidecar_calls_admitted",
+            "Calls let through admission and forwarded.",
+            ConstCounter::new(self.admitted),
+        )?;
+        let outcomes = CallOutcome::ALL.map(CallOutcome::label);
+        labelled(
+            e,
+            ("llm_sidecar_calls", "outcome"),
+            "Calls on the request plane that ended, by outcome.",
+            outcomes.into_iter().zip(self.ended.map(ConstCounter::new)),
+        )?;
+        labelled(
+            e,
+            ("llm_sidecar_call_duration_seconds", "outcome"),
+            "Admitted calls' time from admission to their end, by outcome.",
+            outcomes.into_iter().zip(self.duration.iter().cloned()),
+        )?;
+        labelled(
+            e,
+            ("llm_sidecar_call_first_message_seconds", "outcome"),
+            "Admitted calls' time from admission to the first response bytes passed to the \
+             caller, by outcome (calls that passed none are not counted).",
+            outcomes.into_iter().zip(self.first_message.iter().cloned()),
+        )?;
+        one(
+            e,
+            "llm_sidecar_drain_duration_seconds",
+            "Time from admission closing to the last call gone (ended or cut at the deadline).",
+            self.drain.clone(),
+        )?;
+        one(
+            e,
+            "llm_sidecar_caller_connections",
+            "Caller connections open on the request plane.",
+            ConstGauge::new(self.connections_open),
+        )?;
+        one(
+            e,
+            "llm_sidecar_caller_connections_refused",
+            "Caller connections closed at once because --max-connections were open.",
+            ConstCounter::new(self.connections_refused),
+        )?;
+        labelled(
+            e,
+            ("llm_sidecar_forwarded_bytes", "direction"),
+            "Message bytes forwarded, by direction.",
+            [
+                ("to_engine", ConstCounter::new(self.bytes[0])),
+                ("to_caller", ConstCounter::new(self.bytes[1])),
+            ],
+        )
+    }
+}
+
+/// A family of one sample. Counters are named without `_total`: the encoder
+/// adds it.
+fn one(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    metric: impl EncodeMetric,
+) -> Result<(), std::fmt::Error> {
+    let family = e.encode_descriptor(name, help, None, metric.metric_type())?;
+    metric.encode(family)
+}
+
+/// A family with one sample per value of one label: `(name, label)`.
+fn labelled<M: EncodeMetric>(
+    e: &mut DescriptorEncoder,
+    (name, label): (&str, &'static str),
+    help: &str,
+    samples: impl IntoIterator<Item = (&'static str, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut samples = samples.into_iter().peekable();
+    let kind = samples
+        .peek()
+        .map_or(MetricType::Counter, |(_, m)| m.metric_type());
+    let mut family = e.encode_descriptor(name, help, None, kind)?;
+    for (value, metric) in samples {
+        let labels: Label = [(label, value)];
+        metric.encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
-    /// The whole text, family by family.
-    #[test]
-    fn the_text_is_exactly_the_documented_families() {
+    fn snapshot() -> Snapshot {
         let mut status = Status {
             state: "Serving",
             liveness_status: Some(1),
@@ -140,58 +295,87 @@ mod tests {
         status.losses.insert("stale_load", 2);
         let calls = CallCounters::default();
         calls.record(CallOutcome::Ok);
-        let text = render(&status, &calls, 3, (2, 1));
-        let expected = "\
-# HELP llm_sidecar_state 1 for the lifecycle state the sidecar is in.
-# TYPE llm_sidecar_state gauge
-llm_sidecar_state{state=\"Starting\"} 0
-llm_sidecar_state{state=\"Serving\"} 1
-llm_sidecar_state{state=\"Draining\"} 0
-llm_sidecar_state{state=\"Lost\"} 0
-llm_sidecar_state{state=\"Exited\"} 0
-# HELP llm_sidecar_engine_losses_total Engine losses accepted while serving, by reason.
-# TYPE llm_sidecar_engine_losses_total counter
-llm_sidecar_engine_losses_total{reason=\"stale_load\"} 2
-# HELP llm_sidecar_liveness_watch_status Last raw grpc.health.v1 status on the liveness Watch (-1: none yet).
-# TYPE llm_sidecar_liveness_watch_status gauge
-llm_sidecar_liveness_watch_status 1
-# HELP llm_sidecar_probe_age_seconds Seconds since the last fresh probe answer (-1: none yet).
-# TYPE llm_sidecar_probe_age_seconds gauge
-llm_sidecar_probe_age_seconds -1.000
-# HELP llm_sidecar_discovery_write_failures_total Discovery writes (register or withdraw) that failed.
-# TYPE llm_sidecar_discovery_write_failures_total counter
-llm_sidecar_discovery_write_failures_total 0
-# HELP llm_sidecar_loss_to_withdraw_seconds Time from the engine loss to the confirmed withdrawal (-1: no loss).
-# TYPE llm_sidecar_loss_to_withdraw_seconds gauge
-llm_sidecar_loss_to_withdraw_seconds -1.000000
-# HELP llm_sidecar_in_flight Forwarded calls in flight.
-# TYPE llm_sidecar_in_flight gauge
-llm_sidecar_in_flight 3
-# HELP llm_sidecar_calls_admitted_total Calls let through admission and forwarded.
-# TYPE llm_sidecar_calls_admitted_total counter
-llm_sidecar_calls_admitted_total 0
-# HELP llm_sidecar_calls_total Calls on the request plane that ended, by outcome.
-# TYPE llm_sidecar_calls_total counter
-llm_sidecar_calls_total{outcome=\"ok\"} 1
-llm_sidecar_calls_total{outcome=\"engine_status\"} 0
-llm_sidecar_calls_total{outcome=\"refused\"} 0
-llm_sidecar_calls_total{outcome=\"cancelled_by_caller\"} 0
-llm_sidecar_calls_total{outcome=\"cut_at_deadline\"} 0
-llm_sidecar_calls_total{outcome=\"deadline_exceeded\"} 0
-llm_sidecar_calls_total{outcome=\"too_large\"} 0
-llm_sidecar_calls_total{outcome=\"engine_unreachable\"} 0
-llm_sidecar_calls_total{outcome=\"engine_failed\"} 0
-# HELP llm_sidecar_caller_connections Caller connections open on the request plane.
-# TYPE llm_sidecar_caller_connections gauge
-llm_sidecar_caller_connections 2
-# HELP llm_sidecar_caller_connections_refused_total Caller connections closed at once because --max-connections were open.
-# TYPE llm_sidecar_caller_connections_refused_total counter
-llm_sidecar_caller_connections_refused_total 1
-# HELP llm_sidecar_forwarded_bytes_total Message bytes forwarded, by direction.
-# TYPE llm_sidecar_forwarded_bytes_total counter
-llm_sidecar_forwarded_bytes_total{direction=\"to_engine\"} 0
-llm_sidecar_forwarded_bytes_total{direction=\"to_caller\"} 0
-";
-        assert_eq!(text, expected);
+        calls.record_times(
+            CallOutcome::Ok,
+            Duration::from_millis(300),
+            Some(Duration::from_millis(20)),
+        );
+        status.times.drain.observe(0.5);
+        Snapshot::take(&status, &calls, 3, (2, 1))
+    }
+
+    /// Every family the page had before the histograms, sample for sample,
+    /// in the Prometheus text format.
+    #[test]
+    fn the_counters_and_gauges_keep_their_names_and_samples() {
+        let text = snapshot().render(Format::Prometheus);
+        let expected = [
+            "# HELP llm_sidecar_state 1 for the lifecycle state the sidecar is in.",
+            "# TYPE llm_sidecar_state gauge",
+            "llm_sidecar_state{state=\"Starting\"} 0",
+            "llm_sidecar_state{state=\"Serving\"} 1",
+            "llm_sidecar_state{state=\"Exited\"} 0",
+            "# TYPE llm_sidecar_engine_losses_total counter",
+            "llm_sidecar_engine_losses_total{reason=\"stale_load\"} 2",
+            "llm_sidecar_liveness_watch_status 1",
+            "llm_sidecar_probe_age_seconds -1",
+            "# TYPE llm_sidecar_discovery_write_failures_total counter",
+            "llm_sidecar_discovery_write_failures_total 0",
+            "llm_sidecar_loss_to_withdraw_seconds -1",
+            "llm_sidecar_in_flight 3",
+            "llm_sidecar_calls_admitted_total 0",
+            "llm_sidecar_calls_total{outcome=\"ok\"} 1",
+            "llm_sidecar_calls_total{outcome=\"engine_failed\"} 0",
+            "llm_sidecar_caller_connections 2",
+            "llm_sidecar_caller_connections_refused_total 1",
+            "llm_sidecar_forwarded_bytes_total{direction=\"to_engine\"} 0",
+            "llm_sidecar_forwarded_bytes_total{direction=\"to_caller\"} 0",
+        ];
+        for line in expected {
+            assert!(
+                text.lines()
+                    .any(|l| l == line || l.starts_with(&format!("{line}."))),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_histograms_count_what_was_observed() {
+        let text = snapshot().render(Format::Prometheus);
+        for line in [
+            "# TYPE llm_sidecar_call_duration_seconds histogram",
+            "llm_sidecar_call_duration_seconds_bucket{outcome=\"ok\",le=\"0.25\"} 0",
+            "llm_sidecar_call_duration_seconds_bucket{outcome=\"ok\",le=\"0.5\"} 1",
+            "llm_sidecar_call_duration_seconds_count{outcome=\"ok\"} 1",
+            "llm_sidecar_call_duration_seconds_count{outcome=\"refused\"} 0",
+            "llm_sidecar_call_first_message_seconds_bucket{outcome=\"ok\",le=\"0.025\"} 1",
+            "llm_sidecar_drain_duration_seconds_count 1",
+            "llm_sidecar_loss_to_withdraw_duration_seconds_count{reason=\"stale_load\"} 0",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn openmetrics_when_asked_for() {
+        let format = Format::from_accept(
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+        );
+        assert_eq!(format, Format::OpenMetrics);
+        assert_eq!(Format::from_accept("*/*"), Format::Prometheus);
+        let text = snapshot().render(format);
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert!(
+            text.contains("# TYPE llm_sidecar_calls counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("llm_sidecar_calls_total{outcome=\"ok\"} 1\n"),
+            "{text}"
+        );
     }
 }

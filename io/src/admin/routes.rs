@@ -33,17 +33,21 @@ pub(crate) fn handler(status: Shared, plane: Arc<Plane>) -> Handler {
                 }
             }),
             "/state" => Response::json(200, status.read(|s| s.state_json())),
-            "/metrics" => Response {
-                status: 200,
-                content_type: "text/plain; version=0.0.4",
-                body: status.read(|s| {
+            "/metrics" => {
+                let format = metrics::Format::from_accept(&req.accept);
+                let snapshot = status.read(|s| {
                     let connections = (
                         plane.connections_open.load(Ordering::Relaxed),
                         plane.connections_refused.load(Ordering::Relaxed),
                     );
-                    metrics::render(s, &plane.counters, plane.gate.in_flight(), connections)
-                }),
-            },
+                    metrics::Snapshot::take(s, &plane.counters, plane.gate.in_flight(), connections)
+                });
+                Response {
+                    status: 200,
+                    content_type: format.content_type(),
+                    body: snapshot.render(format),
+                }
+            }
             _ => Response::text(404, "not found; try /live, /ready, /state or /metrics\n"),
         }
     })

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use llm_sidecar_core::{Event, Lifecycle, LivenessObservation, Phase, Time};
+use llm_sidecar_core::{Event, Lifecycle, LivenessObservation, LossReason, Phase, Time};
+use prometheus_client::metrics::histogram::Histogram;
 use serde::Serialize;
 
 /// Shared, cheap-to-lock status.
@@ -40,7 +41,7 @@ impl Shared {
             if s.state != name {
                 s.since = Some(SystemTime::now());
                 if let Some(loss) = lifecycle.loss() {
-                    s.lost_at = Some(Instant::now());
+                    s.lost_at = Some((Instant::now(), loss.label()));
                     *s.losses.entry(loss.label()).or_default() += 1;
                 }
                 if phase == Phase::Serving && s.last_fresh_probe.is_none() {
@@ -62,8 +63,10 @@ impl Shared {
             }
             Event::ProbeSucceeded => self.update(|s| s.last_fresh_probe = Some(Instant::now())),
             Event::Withdrawn => self.update(|s| {
-                if let Some(at) = s.lost_at.take() {
-                    s.loss_to_withdraw = Some(at.elapsed());
+                if let Some((at, reason)) = s.lost_at.take() {
+                    let took = at.elapsed();
+                    s.loss_to_withdraw = Some(took);
+                    s.times.withdrawal(reason).observe(took.as_secs_f64());
                 }
             }),
             Event::RegistrationFailed { .. } | Event::WithdrawFailed { .. } => {
@@ -97,11 +100,57 @@ pub(crate) struct Status {
     pub(crate) last_fresh_probe: Option<Instant>,
     pub(crate) losses: BTreeMap<&'static str, u64>,
     pub(crate) discovery_write_failures: u64,
-    pub(crate) lost_at: Option<Instant>,
+    /// When the lifecycle accepted the last loss, and its reason label,
+    /// until the withdrawal is confirmed.
+    pub(crate) lost_at: Option<(Instant, &'static str)>,
     pub(crate) loss_to_withdraw: Option<Duration>,
+    pub(crate) times: LifecycleTimes,
     /// The core's next deadline on the wall clock, and why: what the sidecar
     /// waits for ("router grace", "drain deadline", "startup deadline", …).
     pub(crate) deadline: Option<(SystemTime, &'static str)>,
+}
+
+/// Bucket bounds of `llm_sidecar_loss_to_withdraw_duration_seconds`: a file
+/// record goes in a millisecond, an etcd key within a few, a slow or failing
+/// discovery takes seconds.
+const WITHDRAWAL_SECONDS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Bucket bounds of `llm_sidecar_drain_duration_seconds`: nothing in flight,
+/// short calls, long generations up to the drain timeout.
+const DRAIN_SECONDS: [f64; 12] = [
+    0.001, 0.01, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// The lifecycle's histograms: how long withdrawals and drains took.
+#[derive(Debug, Clone)]
+pub(crate) struct LifecycleTimes {
+    /// Loss accepted → withdrawal confirmed, one histogram per loss reason,
+    /// indexed like [`LossReason::LABELS`].
+    pub(crate) withdrawal: [Histogram; LossReason::LABELS.len()],
+    /// Admission closed → the last call gone (ended, or cut at the deadline).
+    pub(crate) drain: Histogram,
+}
+
+impl Default for LifecycleTimes {
+    fn default() -> Self {
+        LifecycleTimes {
+            withdrawal: std::array::from_fn(|_| Histogram::new(WITHDRAWAL_SECONDS)),
+            drain: Histogram::new(DRAIN_SECONDS),
+        }
+    }
+}
+
+impl LifecycleTimes {
+    /// The withdrawal histogram of a loss reason's label.
+    fn withdrawal(&self, reason: &str) -> &Histogram {
+        let index = LossReason::LABELS
+            .iter()
+            .position(|label| *label == reason)
+            .unwrap_or(0);
+        &self.withdrawal[index]
+    }
 }
 
 #[derive(Serialize)]
@@ -126,14 +175,16 @@ impl Status {
     pub(crate) fn state_json(&self) -> String {
         let json = StateJson {
             state: self.state,
-            since: self.since.map(crate::timefmt::rfc3339),
+            since: self
+                .since
+                .map(|t| humantime::format_rfc3339_millis(t).to_string()),
             reason: self.reason.as_deref(),
             instance_id: &self.instance_id,
             engine_identity: self.engine_identity.as_deref(),
             record: self.record_location.as_deref(),
             in_flight: self.in_flight,
             deadline: self.deadline.map(|(at, reason)| DeadlineJson {
-                at: crate::timefmt::rfc3339(at),
+                at: humantime::format_rfc3339_millis(at).to_string(),
                 reason,
             }),
         };

@@ -24,7 +24,7 @@ fn started(server: &GetServerInfoResponse) -> String {
             let nanos = u32::try_from(t.nanos).unwrap_or(0);
             SystemTime::UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999))
         });
-    format!("started {}", crate::timefmt::rfc3339(at))
+    format!("started {}", humantime::format_rfc3339_millis(at))
 }
 
 pub(super) async fn read_info(

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -20,6 +21,10 @@ use super::outcome::CallOutcome;
 pub struct Admitted {
     plane: Arc<Plane>,
     outcome: Option<CallOutcome>,
+    /// When the call was let in: the start of its duration.
+    admitted_at: Instant,
+    /// How long after that its first response bytes went to the caller.
+    first_message: Option<Duration>,
 }
 
 impl Admitted {
@@ -33,12 +38,22 @@ impl Admitted {
         Some(Admitted {
             plane: plane.clone(),
             outcome: None,
+            admitted_at: Instant::now(),
+            first_message: None,
         })
     }
 
     /// How the call ended (the last one set counts).
     pub fn set_outcome(&mut self, outcome: CallOutcome) {
         self.outcome = Some(outcome);
+    }
+
+    /// The first response message is on its way to the caller (the first
+    /// call counts; later ones change nothing).
+    pub fn first_message_sent(&mut self) {
+        if self.first_message.is_none() {
+            self.first_message = Some(self.admitted_at.elapsed());
+        }
     }
 
     /// Fires at this instance's drain deadline: the call must end at once.
@@ -53,9 +68,10 @@ impl Admitted {
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        self.plane
-            .counters
-            .record(self.outcome.unwrap_or(CallOutcome::CancelledByCaller));
+        let outcome = self.outcome.unwrap_or(CallOutcome::CancelledByCaller);
+        let counters = &self.plane.counters;
+        counters.record(outcome);
+        counters.record_times(outcome, self.admitted_at.elapsed(), self.first_message);
         if self.plane.gate.leave().drained {
             self.plane.drained.notify_one();
         }

@@ -1,7 +1,10 @@
-//! How each call on the request plane ended, and the counters behind
-//! `/metrics` and the account logged at exit.
+//! How each call on the request plane ended, and the counters and
+//! histograms behind `/metrics` and the account logged at exit.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::metrics::histogram::Histogram;
 
 /// How a call on the request plane ended. Every call that reaches the proxy ends
 /// in exactly one of these, so the sidecar's account reconciles with what the
@@ -66,8 +69,22 @@ impl CallOutcome {
     }
 }
 
-/// Counters of the request plane, for `/metrics` and the account at exit.
-#[derive(Debug, Default)]
+/// Bucket bounds of `llm_sidecar_call_duration_seconds`: a unary call takes
+/// milliseconds, a long generation minutes.
+const CALL_SECONDS: [f64; 16] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+/// Bucket bounds of `llm_sidecar_call_first_message_seconds`: from a
+/// millisecond (a warm engine on loopback) to half a minute (a long prompt
+/// behind a queue).
+const FIRST_MESSAGE_SECONDS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Counters and histograms of the request plane, for `/metrics` and the
+/// account at exit.
+#[derive(Debug)]
 pub(crate) struct CallCounters {
     /// Calls let through the gate (forwarded or about to be).
     pub(crate) admitted: AtomicU64,
@@ -75,11 +92,45 @@ pub(crate) struct CallCounters {
     ended: [AtomicU64; CallOutcome::ALL.len()],
     pub(crate) bytes_to_engine: AtomicU64,
     pub(crate) bytes_to_caller: AtomicU64,
+    /// Admitted calls' time from admission to their end, indexed like
+    /// [`CallOutcome::ALL`]: one histogram per outcome, made at start, so a
+    /// call's end touches no map.
+    pub(crate) duration: [Histogram; CallOutcome::ALL.len()],
+    /// Admitted calls' time from admission to the first response bytes passed
+    /// on, indexed like [`CallOutcome::ALL`].
+    pub(crate) first_message: [Histogram; CallOutcome::ALL.len()],
+}
+
+impl Default for CallCounters {
+    fn default() -> Self {
+        CallCounters {
+            admitted: AtomicU64::default(),
+            ended: Default::default(),
+            bytes_to_engine: AtomicU64::default(),
+            bytes_to_caller: AtomicU64::default(),
+            duration: std::array::from_fn(|_| Histogram::new(CALL_SECONDS)),
+            first_message: std::array::from_fn(|_| Histogram::new(FIRST_MESSAGE_SECONDS)),
+        }
+    }
 }
 
 impl CallCounters {
     pub(crate) fn record(&self, outcome: CallOutcome) {
         self.ended[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted call's times, at its end: how long it ran, and after how
+    /// long its first response bytes went to the caller (`None`: none did).
+    pub(crate) fn record_times(
+        &self,
+        outcome: CallOutcome,
+        ran: Duration,
+        first_message: Option<Duration>,
+    ) {
+        self.duration[outcome as usize].observe(ran.as_secs_f64());
+        if let Some(first) = first_message {
+            self.first_message[outcome as usize].observe(first.as_secs_f64());
+        }
     }
 
     /// Calls that ended with `outcome` so far.
