@@ -669,7 +669,8 @@ impl Worker {
 
     /// After a shutdown signal: withdrawn, admitting during the router grace,
     /// then draining. `engine_lost`: a loss was seen (and logged) during the
-    /// drain; the monitors' later news is ignored and the exit code stays 0.
+    /// drain; it closed admission at once, the monitors' later news is
+    /// ignored and the exit code stays 0.
     #[state(entry_action = "enter_draining")]
     fn draining(
         &mut self,
@@ -690,6 +691,21 @@ impl Worker {
                 ),
             );
             *engine_lost = true;
+            // Serving out the router grace with a dead engine helps no one:
+            // new calls go elsewhere now, and the drain ends with the calls
+            // in flight.
+            if self.admission == Admission::Open {
+                self.set_admission(Admission::Closed, context);
+                context.log(
+                    Level::Info,
+                    format!(
+                        "admission closed at once: the engine is gone; draining {} calls in \
+                         flight for up to {}",
+                        self.in_flight,
+                        HumanDuration(*drain_deadline - now)
+                    ),
+                );
+            }
         }
         match event {
             Input::Timer if *admission_closes_at <= now && self.admission == Admission::Open => {

@@ -285,15 +285,21 @@ fn a_loss_during_the_drain_is_a_warning_and_the_exit_code_stays_0() {
             "TensorRT-LLM engine lost during drain: liveness reported NOT_SERVING (instance abc); exit code stays 0"
         ]
     );
-    assert_eq!(d.lc.phase(), Phase::Draining);
-    d.feed(secs(11), Event::Withdrawn);
-    let a = d.tick(secs(15));
     assert_eq!(
         without_logs(&a),
-        vec![
-            Action::SetAdmission(Admission::Closed),
-            Action::Exit(ExitReason::Clean)
-        ]
+        vec![Action::SetAdmission(Admission::Closed)],
+        "the loss closes admission at once, inside the router grace"
+    );
+    assert_eq!(d.lc.phase(), Phase::Draining);
+    assert_eq!(
+        d.lc.poll_timeout().map(|(_, why)| why),
+        Some("drain deadline")
+    );
+    let a = d.feed(secs(11), Event::Withdrawn);
+    assert_eq!(
+        without_logs(&a),
+        vec![Action::Exit(ExitReason::Clean)],
+        "nothing in flight, the withdrawal confirmed: the drain is over"
     );
 }
 

@@ -272,7 +272,7 @@ impl Driver {
             limit: stream_limit,
             attempt_bound: config.timings.connect_attempt_timeout,
             retry_interval: config.timings.retry_interval,
-            require_serving: false,
+            rejoin: false,
         };
         tokio::spawn(engine::startup::wait_for_engine(
             wait.clone(),
@@ -485,7 +485,7 @@ impl Driver {
             s.last_fresh_probe = None;
         });
         let wait = engine::startup::StartupWait {
-            require_serving: true,
+            rejoin: true,
             ..self.startup.clone()
         };
         tokio::spawn(engine::startup::wait_for_engine(

@@ -62,6 +62,8 @@ struct Model {
     signalled: bool,
     /// Rejoins so far.
     rejoins: u32,
+    /// An engine loss was seen while Draining: it closed admission at once.
+    drain_loss: bool,
 }
 
 impl Model {
@@ -106,6 +108,14 @@ impl Model {
         self.ops.push(Op::Withdraw);
         self.admission = false;
         self.monitors = false;
+    }
+
+    /// A loss while Draining: the first one closes admission at once (the
+    /// router grace is not served out with a dead engine); later news is not
+    /// read.
+    fn lose_in_drain(&mut self) {
+        self.drain_loss = true;
+        self.admission = false;
     }
 
     fn shutting_down(&self) -> bool {
@@ -205,6 +215,7 @@ impl ReferenceStateMachine for Reference {
                 rejoin,
                 signalled: false,
                 rejoins: 0,
+                drain_loss: false,
             })
             .boxed()
     }
@@ -344,6 +355,27 @@ impl ReferenceStateMachine for Reference {
                 }
                 A::FireNextTimer if m.admission => m.admission = false,
                 A::FireNextTimer => m.exit(ExitReason::Clean),
+                A::IdentityChanged | A::ConnectionLost if !m.drain_loss => m.lose_in_drain(),
+                A::LiveServing
+                | A::LiveNotServing
+                | A::LiveUnknown
+                | A::LiveServiceUnknown
+                | A::LiveOutOfRange
+                | A::WatchEnded
+                | A::WatchFailed
+                | A::WatchUnimplemented
+                | A::WatchNotOpened
+                | A::CheckFailed
+                    if !m.drain_loss =>
+                {
+                    #[allow(
+                        clippy::collapsible_match,
+                        reason = "the watch must read every observation"
+                    )]
+                    if m.liveness(e) {
+                        m.lose_in_drain();
+                    }
+                }
                 _ => {}
             },
             (Phase::Lost, _) => match e {

@@ -640,3 +640,121 @@ fn sigterm_drains_a_vllm_call() {
 fn sigterm_drains_an_sglang_call() {
     sigterm_drains_a_call(SGLANG);
 }
+
+#[test]
+fn a_first_start_facing_not_serving_writes_no_record_then_registers_on_serving() {
+    for kind in [TRTLLM, OPENENGINE, VLLM, SGLANG] {
+        let dir = TempDir::new(&format!("first-not-serving-{}", kind.flag));
+        let mock = Mock::start(&dir.0, free_addr(), &mock_args(kind, &[]));
+        mock.control("/liveness?status=2");
+        let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
+        let line = sidecar
+            .proc
+            .wait_for_line("not ready yet (warming up", HANG);
+        assert!(
+            line.contains("reports NOT_SERVING"),
+            "{}: {line}",
+            kind.flag
+        );
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(
+            sidecar.proc.running(),
+            "{}: NOT_SERVING at start is no loss",
+            kind.flag
+        );
+        assert!(
+            sidecar.records().is_empty(),
+            "{}: no record for an engine that is not SERVING",
+            kind.flag
+        );
+        assert_eq!(sidecar.state()["state"], "Starting", "{}", kind.flag);
+
+        mock.control("/liveness?status=1");
+        sidecar.wait_serving();
+        assert_detected(&sidecar, kind, mock.grpc);
+        assert_eq!(
+            sidecar.proc.count_lines(" engine lost: "),
+            0,
+            "{}: no flap",
+            kind.flag
+        );
+        assert_eq!(
+            sidecar.proc.count_lines("not ready yet (warming up"),
+            1,
+            "{}: said once",
+            kind.flag
+        );
+        sidecar.proc.signal("TERM");
+        assert_eq!(sidecar.proc.wait_exit(HANG), 0, "{}", kind.flag);
+    }
+}
+
+#[test]
+fn a_loss_inside_the_router_grace_closes_admission_at_once_and_ends_the_drain_with_its_calls() {
+    let dir = TempDir::new("drain-loss-admission");
+    let (mock, mut sidecar) = serving_kind(
+        &dir,
+        TRTLLM,
+        &["--token-delay", "10ms"],
+        &["--router-grace", "6s", "--drain-timeout", "20s"],
+    );
+    let runtime = rt();
+    let listen = sidecar.listen;
+    let long = runtime.spawn(async move { generate(TRTLLM, listen, "in-flight", 200).await });
+    wait_until(HANG, "a call in flight", || {
+        sidecar.metric("llm_sidecar_in_flight") == Some(1.0)
+    });
+    let signalled = std::time::Instant::now();
+    sidecar.proc.signal("TERM");
+    wait_until(HANG, "the record to be withdrawn", || {
+        sidecar.records().is_empty()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    // The engine says it cannot serve, but still streams the call in flight.
+    mock.control("/liveness?status=2");
+    sidecar.proc.wait_for_line("engine lost during drain", HANG);
+    sidecar
+        .proc
+        .wait_for_line("admission closed at once: the engine is gone", HANG);
+    let refused = runtime.block_on(generate(TRTLLM, listen, "after-the-loss", 4));
+    assert_eq!(
+        refused,
+        Err((Code::Unavailable, "draining".to_string())),
+        "a call after the loss is the sidecar's to refuse, never forwarded"
+    );
+    assert_eq!(
+        runtime.block_on(long).expect("join"),
+        Ok(200),
+        "the call in flight drains"
+    );
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    let took = signalled.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "exited {took:?} after SIGTERM: the drain ended with its call, not the 6 s router grace"
+    );
+    assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
+}
+
+#[test]
+fn an_engine_killed_inside_the_router_grace_ends_the_drain_at_once_with_exit_0() {
+    let dir = TempDir::new("drain-kill");
+    let (mock, mut sidecar) = serving_kind(&dir, TRTLLM, &[], &["--router-grace", "6s"]);
+    sidecar.proc.signal("TERM");
+    wait_until(HANG, "the record to be withdrawn", || {
+        sidecar.records().is_empty()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = std::time::Instant::now();
+    mock.proc.signal("KILL");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    let took = killed.elapsed();
+    println!("an engine killed 0.5 s into a 6 s router grace: exit 0 {took:?} after the kill");
+    assert!(
+        took < Duration::from_secs(3),
+        "exited {took:?} after the kill: the rest of the 6 s router grace was served out"
+    );
+    let warn = sidecar.proc.wait_for_line("engine lost during drain", HANG);
+    assert!(warn.ends_with("exit code stays 0"), "{warn}");
+    sidecar.proc.assert_withdrawn_before_exit(0);
+}

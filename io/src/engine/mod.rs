@@ -79,8 +79,6 @@ pub struct EngineProfile {
     pub liveness_service: &'static str,
     /// How it is followed.
     pub following: Following,
-    /// NOT_SERVING before the first SERVING is a warm-up: start-up waits for SERVING.
-    pub warms_up: bool,
     /// The API carries no per-process identity, so the connection the
     /// monitors use stands for it: that connection closing is a loss.
     pub connection_is_identity: bool,
@@ -96,7 +94,6 @@ pub const PROFILES: [EngineProfile; 4] = [
         health_rpc: "/openengine.v1.Control/Health",
         liveness_service: "liveness",
         following: Following::Watch,
-        warms_up: false,
         connection_is_identity: false,
     },
     EngineProfile {
@@ -107,7 +104,6 @@ pub const PROFILES: [EngineProfile; 4] = [
         health_rpc: "/trtllm.TrtllmService/HealthCheck",
         liveness_service: "liveness",
         following: Following::Watch,
-        warms_up: false,
         connection_is_identity: false,
     },
     EngineProfile {
@@ -118,7 +114,6 @@ pub const PROFILES: [EngineProfile; 4] = [
         health_rpc: "/vllm.grpc.engine.VllmEngine/HealthCheck",
         liveness_service: "vllm.grpc.engine.VllmEngine",
         following: Following::Poll,
-        warms_up: true,
         connection_is_identity: true,
     },
     EngineProfile {
@@ -129,7 +124,6 @@ pub const PROFILES: [EngineProfile; 4] = [
         health_rpc: "/sglang.grpc.scheduler.SglangScheduler/HealthCheck",
         liveness_service: "sglang.grpc.scheduler.SglangScheduler",
         following: Following::Poll,
-        warms_up: true,
         connection_is_identity: true,
     },
 ];

@@ -4,9 +4,11 @@
 //! bind their port only once it is loaded), so this keeps trying every retry
 //! interval, each attempt bounded, and logs a change of reason once rather than
 //! every attempt. An attempt: connect; find the kind (`--engine-kind auto`);
-//! read the engine's server and model info; and for kinds that warm up with
-//! their port open (SGLang, vLLM), wait for their health to say SERVING. It
-//! decides nothing: the core's startup deadline ends it.
+//! read the engine's server and model info; and wait for its liveness service
+//! to say SERVING (SGLang and vLLM warm up with their port open; an engine of
+//! any kind may answer its API while its health says NOT_SERVING, and
+//! registering it then would only lose it a moment later). It decides
+//! nothing: the core's startup deadline ends it.
 
 use std::time::Duration;
 
@@ -36,8 +38,8 @@ pub(crate) struct EngineReady {
 #[derive(Clone)]
 pub(crate) struct StartupWait {
     pub(crate) choice: EngineChoice,
-    /// The grpc.health.v1 service to wait on for kinds that warm up (the
-    /// kind's own unless `--liveness-service` says otherwise).
+    /// The grpc.health.v1 service to wait on (the kind's own unless
+    /// `--liveness-service` says otherwise).
     pub(crate) liveness_service: Option<String>,
     /// The engine's address as the operator wrote it, for log lines.
     pub(crate) address: String,
@@ -47,11 +49,9 @@ pub(crate) struct StartupWait {
     /// Bound on one attempt's each step (connect, every start-up call).
     pub(crate) attempt_bound: Duration,
     pub(crate) retry_interval: Duration,
-    /// Wait for the liveness service to say SERVING whatever the kind: after
-    /// a loss (a rejoin), an engine that answers its API while its health
-    /// still says NOT_SERVING is not back yet, and registering it would only
-    /// lose it again at once.
-    pub(crate) require_serving: bool,
+    /// The wait after a loss (a rejoin): an engine whose health still says
+    /// NOT_SERVING is "not serving again yet" rather than "warming up".
+    pub(crate) rejoin: bool,
 }
 
 /// Why one attempt did not get the engine ready.
@@ -82,38 +82,37 @@ async fn attempt(wait: &StartupWait) -> Result<EngineReady, NotReady> {
     };
     let info = read_info(kind, &channel, wait.attempt_bound).await?;
     let profile = kind.profile();
-    if profile.warms_up || wait.require_serving {
-        let service = wait
-            .liveness_service
-            .clone()
-            .unwrap_or_else(|| profile.liveness_service.to_string());
-        let answer = bounded(
-            "grpc.health.v1.Health/Check",
-            wait.attempt_bound,
-            HealthClient::new(channel.clone()).check(HealthCheckRequest {
-                service: service.clone(),
-            }),
-        )
-        .await;
-        match answer {
-            Ok(r) if r.status == ServingStatus::Serving as i32 => {}
-            Ok(r) => {
-                let status = ServingStatus::try_from(r.status)
-                    .map_or_else(|_| r.status.to_string(), |s| s.as_str_name().to_string());
-                return Err(NotReady::WarmingUp {
-                    service,
-                    status,
-                    rejoin: wait.require_serving,
-                });
-            }
-            // No health service at all: nothing to wait for; the monitors
-            // say so once.
-            Err(EngineError::Call {
-                code: tonic::Code::Unimplemented | tonic::Code::NotFound,
-                ..
-            }) => {}
-            Err(e) => return Err(e.into()),
+    let service = wait
+        .liveness_service
+        .clone()
+        .unwrap_or_else(|| profile.liveness_service.to_string());
+    let answer = bounded(
+        "grpc.health.v1.Health/Check",
+        wait.attempt_bound,
+        HealthClient::new(channel.clone()).check(HealthCheckRequest {
+            service: service.clone(),
+        }),
+    )
+    .await;
+    match answer {
+        Ok(r) if r.status == ServingStatus::Serving as i32 => {}
+        Ok(r) => {
+            let status = ServingStatus::try_from(r.status)
+                .map_or_else(|_| r.status.to_string(), |s| s.as_str_name().to_string());
+            return Err(NotReady::WarmingUp {
+                service,
+                status,
+                rejoin: wait.rejoin,
+            });
         }
+        // No such health service (an engine without one, or one that has
+        // not registered it): nothing to wait for; the monitors say so
+        // once, or watch it register.
+        Err(EngineError::Call {
+            code: tonic::Code::Unimplemented | tonic::Code::NotFound,
+            ..
+        }) => {}
+        Err(e) => return Err(e.into()),
     }
     Ok(EngineReady {
         info,
