@@ -99,50 +99,33 @@ fn circle(uses: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     })
 }
 
-#[test]
-fn no_room_of_the_io_layer_uses_one_that_uses_it_back() {
-    let uses = rooms_of(".");
+/// No circle among the rooms of `crate_dir`, and `leaf` uses none of them.
+fn assert_a_hierarchy(crate_dir: &str, leaf: &str) {
+    let uses = rooms_of(crate_dir);
     let found = circle(&uses);
     assert!(
         found.is_none(),
-        "import circle in io: {}",
+        "import circle in {crate_dir}: {}",
         found.unwrap_or_default().join(" -> ")
     );
     assert!(
-        uses.get("parse").is_some_and(BTreeSet::is_empty),
-        "parse is a leaf: {:?}",
-        uses.get("parse")
+        uses.get(leaf).is_some_and(BTreeSet::is_empty),
+        "{leaf} is a leaf: {:?}",
+        uses.get(leaf)
     );
+}
+
+#[test]
+fn no_room_of_the_io_layer_uses_one_that_uses_it_back() {
+    assert_a_hierarchy(".", "parse");
 }
 
 #[test]
 fn no_room_of_the_core_uses_one_that_uses_it_back() {
-    let uses = rooms_of("../core");
-    let found = circle(&uses);
-    assert!(
-        found.is_none(),
-        "import circle in core: {}",
-        found.unwrap_or_default().join(" -> ")
-    );
-    assert!(
-        uses.get("codes").is_some_and(BTreeSet::is_empty),
-        "codes is a leaf: {:?}",
-        uses.get("codes")
-    );
+    assert_a_hierarchy("../core", "codes");
 }
 
 #[test]
 fn no_room_of_the_binary_uses_one_that_uses_it_back() {
-    let uses = rooms_of("../bin");
-    let found = circle(&uses);
-    assert!(
-        found.is_none(),
-        "import circle in bin: {}",
-        found.unwrap_or_default().join(" -> ")
-    );
-    assert!(
-        uses.get("shared").is_some_and(BTreeSet::is_empty),
-        "shared is a leaf: {:?}",
-        uses.get("shared")
-    );
+    assert_a_hierarchy("../bin", "shared");
 }

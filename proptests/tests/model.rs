@@ -161,6 +161,24 @@ impl Model {
     }
 }
 
+/// The inputs the liveness watch reads: the Watch's messages and ends, and
+/// a polled Check failing.
+fn reads_liveness(e: A) -> bool {
+    matches!(
+        e,
+        A::LiveServing
+            | A::LiveNotServing
+            | A::LiveUnknown
+            | A::LiveServiceUnknown
+            | A::LiveOutOfRange
+            | A::WatchEnded
+            | A::WatchFailed
+            | A::WatchUnimplemented
+            | A::WatchNotOpened
+            | A::CheckFailed
+    )
+}
+
 fn deliverable(m: &Model, e: A) -> bool {
     if let Phase::Exited(_) = m.phase {
         // The process is gone; a late timer must be absorbed.
@@ -325,16 +343,7 @@ impl ReferenceStateMachine for Reference {
                     m.retry = false;
                     m.ops.push(Op::Withdraw);
                 }
-                A::LiveServing
-                | A::LiveNotServing
-                | A::LiveUnknown
-                | A::LiveServiceUnknown
-                | A::LiveOutOfRange
-                | A::WatchEnded
-                | A::WatchFailed
-                | A::WatchUnimplemented
-                | A::WatchNotOpened
-                | A::CheckFailed =>
+                e if reads_liveness(e) =>
                 {
                     #[allow(
                         clippy::collapsible_match,
@@ -356,17 +365,7 @@ impl ReferenceStateMachine for Reference {
                 A::FireNextTimer if m.admission => m.admission = false,
                 A::FireNextTimer => m.exit(ExitReason::Clean),
                 A::IdentityChanged | A::ConnectionLost if !m.drain_loss => m.lose_in_drain(),
-                A::LiveServing
-                | A::LiveNotServing
-                | A::LiveUnknown
-                | A::LiveServiceUnknown
-                | A::LiveOutOfRange
-                | A::WatchEnded
-                | A::WatchFailed
-                | A::WatchUnimplemented
-                | A::WatchNotOpened
-                | A::CheckFailed
-                    if !m.drain_loss =>
+                e if reads_liveness(e) && !m.drain_loss =>
                 {
                     #[allow(
                         clippy::collapsible_match,
