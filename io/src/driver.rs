@@ -520,10 +520,21 @@ impl Driver {
         let t = &self.config.timings;
         match profile.following {
             Following::Watch => {
+                // Without a liveness service, an engine with no identity of
+                // its own process (an older TensorRT-LLM image on the trtllm
+                // API) is followed by its connection; one with an instance
+                // id (OpenEngine) is told apart by that id on restart, and
+                // its connection may be cut and made again.
+                let fallback = ready
+                    .info
+                    .instance_id
+                    .is_none()
+                    .then(|| ready.connection.clone());
                 tokio::spawn(engine::monitors::watch_liveness(
                     channel.clone(),
                     service,
                     t.connect_attempt_timeout,
+                    fallback,
                     self.events.clone(),
                     token.clone(),
                 ));

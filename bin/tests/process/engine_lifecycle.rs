@@ -146,6 +146,26 @@ fn engine_without_health_service_warns_once_and_keeps_serving() {
 }
 
 #[test]
+fn an_engine_without_health_killed_is_lost_by_its_connection_not_the_stale_window() {
+    let dir = TempDir::new("nohealth-killed");
+    let (mock, mut sidecar, id) =
+        serving_with_id(&dir, &["--no-health"], &["--stale-after", "30s"]);
+    sidecar
+        .proc
+        .wait_for_line("the engine's connection is followed instead", HANG);
+    let killed = std::time::Instant::now();
+    mock.proc.signal("KILL");
+    wait_until(HANG, "the withdrawal", || sidecar.records().is_empty());
+    let took = killed.elapsed();
+    println!("an engine without health SIGKILLed: withdrawn {took:?} after the kill");
+    assert!(
+        took < Duration::from_secs(3),
+        "withdrawn {took:?} after the kill: the 30 s stale-load window, not the connection"
+    );
+    assert_lost(&mut sidecar, &id, "engine connection lost");
+}
+
+#[test]
 fn unregistered_liveness_warns_once_then_counts_once_it_reports() {
     let dir = TempDir::new("unregistered");
     let (mock, mut sidecar, id) = serving_with_id(&dir, &["--liveness-unregistered"], &[]);

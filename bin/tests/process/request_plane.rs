@@ -548,16 +548,24 @@ fn a_client_stream_reaches_the_engine_whole_and_its_answer_comes_back() {
 /// A call streaming from an engine whose connection went silent (a partition,
 /// a stuck middlebox) ends within the keepalive window of the request plane's
 /// own engine connection: UNAVAILABLE, retryable, while the worker serves on.
-/// Liveness is unwatched here and the stale-load window is 120 s, so only that
-/// keepalive can end the call; without it the call would hang as long as the
-/// silence.
+/// The engine is an OpenEngine server without a health service: liveness is
+/// unwatched, its connection is not followed (its instance id is its
+/// identity), and the stale-load window is 120 s, so only that keepalive can
+/// end the call; without it the call would hang as long as the silence.
 #[test]
 fn a_call_on_a_silent_engine_connection_fails_within_the_keepalive_window() {
+    use tokio_stream::StreamExt;
     let dir = TempDir::new("rp-keepalive");
     let mock = Mock::start(
         &dir.0,
         free_addr(),
-        &["--no-health", "--token-delay", "50ms"],
+        &[
+            "--kind",
+            "openengine",
+            "--no-health",
+            "--token-delay",
+            "50ms",
+        ],
     );
     let relay = crate::support::relay::Relay::start(mock.grpc);
     let mut sidecar = Sidecar::start(&dir.0, relay.addr, KEEPALIVE_ONLY);
@@ -566,21 +574,27 @@ fn a_call_on_a_silent_engine_connection_fails_within_the_keepalive_window() {
         .proc
         .wait_for_line("does not serve grpc.health.v1", HANG);
     let (status, silent_for) = rt().block_on(async {
-        let mut c = client(sidecar.listen).await;
-        let mut stream = c
-            .generate(generate("on-silence", 4, 100_000))
+        let channel = llm_sidecar_loadgen::connect(&sidecar.listen.to_string())
             .await
-            .expect("start")
-            .into_inner();
-        stream.message().await.expect("chunk").expect("a chunk");
+            .expect("connect");
+        let mut stream = llm_sidecar_loadgen::generate::generate(
+            llm_sidecar_io::engine::EngineKind::OpenEngine,
+            channel,
+            "on-silence".into(),
+            4,
+            100_000,
+        )
+        .await
+        .expect("start");
+        stream.next().await.expect("a chunk").expect("a chunk");
         relay.set_silent(true);
         let silenced = Instant::now();
         let ended = tokio::time::timeout(Duration::from_secs(60), async {
             loop {
-                match stream.message().await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => panic!("the call ended OK on a silent engine"),
-                    Err(status) => return status,
+                match stream.next().await {
+                    Some(Ok(_)) => {}
+                    None => panic!("the call ended OK on a silent engine"),
+                    Some(Err(status)) => return status,
                 }
             }
         })

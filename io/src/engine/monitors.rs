@@ -31,10 +31,16 @@ fn observe_status(status: &tonic::Status) -> LivenessObservation {
 }
 
 /// Watches `service` until the stream ends, fails, or `cancel` fires.
+///
+/// An engine without the service (UNIMPLEMENTED or NOT_FOUND before any
+/// message: an older image) gives nothing to watch; `connection`, when
+/// given, is then followed instead, so that the engine's process going away
+/// is a loss within the keepalive bound rather than at the stale-load window.
 pub(crate) async fn watch_liveness(
     channel: Channel,
     service: String,
     first_message_within: Duration,
+    connection: Option<ConnectionWatch>,
     events: mpsc::Sender<Event>,
     cancel: CancellationToken,
 ) {
@@ -64,7 +70,21 @@ pub(crate) async fn watch_liveness(
             })
             .await;
         }
-        Ok(Err(status)) => return send(observe_status(&status)).await,
+        Ok(Err(status)) => {
+            send(observe_status(&status)).await;
+            let unsupported = matches!(
+                status.code(),
+                tonic::Code::Unimplemented | tonic::Code::NotFound
+            );
+            if let Some(connection) = connection.filter(|_| unsupported) {
+                tracing::info!(
+                    "without a liveness service, the engine's connection is followed instead: \
+                     its closing is an engine loss"
+                );
+                watch_connection(connection, events.clone(), cancel).await;
+            }
+            return;
+        }
         Ok(Ok((stream, first))) => match first {
             Ok(Some(message)) => {
                 send(LivenessObservation::Status(message.status)).await;
