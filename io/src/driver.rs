@@ -595,8 +595,6 @@ impl Driver {
     }
 }
 
-/// Starts the discovery worker; returns where to send it writes, and where it
-/// reports that the store dropped the record.
 /// The engine's side, before anything is contacted: the endpoint start-up
 /// and monitors call, the stream limit they learn, and the request plane's
 /// pool of engine connections.
@@ -654,6 +652,8 @@ fn spawn_servers(
     }
 }
 
+/// Starts the discovery worker; returns where to send it writes, and where it
+/// reports that the store dropped the record.
 fn spawn_discovery_worker<D: Discovery>(
     discovery: Arc<D>,
     events: mpsc::Sender<Event>,

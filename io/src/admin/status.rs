@@ -124,7 +124,7 @@ const DRAIN_SECONDS: [f64; 12] = [
 ];
 
 /// The lifecycle's histograms: how long withdrawals and drains took.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct LifecycleTimes {
     /// Loss accepted → withdrawal confirmed, one histogram per loss reason,
     /// indexed like [`LossReason::LABELS`].
@@ -143,12 +143,14 @@ impl Default for LifecycleTimes {
 }
 
 impl LifecycleTimes {
-    /// The withdrawal histogram of a loss reason's label.
+    /// The withdrawal histogram of a loss reason's label. Every label comes
+    /// from `LossReason::label`, which takes it from `LABELS`: the lookup
+    /// always finds it.
     fn withdrawal(&self, reason: &str) -> &Histogram {
         let index = LossReason::LABELS
             .iter()
             .position(|label| *label == reason)
-            .unwrap_or(0);
+            .unwrap_or_default();
         &self.withdrawal[index]
     }
 }

@@ -77,10 +77,10 @@ fn send_status(respond: &mut SendResponse<Bytes>, code: Code, message: &str) {
 ///
 /// Routing and admission happen here, before the future exists, and what the
 /// future keeps for a forwarded call's whole life is its [`Relay`] (296 bytes
-/// in all, 24 of them the call's times for `/metrics`): the request's
+/// in all; keeping the call's times for `/metrics` added 24): the request's
 /// headers, and the opening of the engine stream (which may open its
-/// connection, kilobytes of future), live in a box freed
-/// once the answer's headers are passed on. Written as one async function, a
+/// connection, kilobytes of future), live in a box freed once the answer's
+/// headers are passed on. Written as one async function, a
 /// call kept 3.5 KB to its end (docs/PERFORMANCE.md, "The caller side on h2").
 pub(crate) fn call(
     plane: Arc<Plane>,
