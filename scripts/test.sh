@@ -14,6 +14,9 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 # The etcd discovery tests start a real etcd of their own.
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+# deploy/kubernetes/ is a kustomize base with an overlay per kind, rendered by
+# `kubectl kustomize` (Debian's kubernetes-client carries it).
+command -v kubectl >/dev/null 2>&1 || need_apt+=(kubernetes-client)
 # The tests' Python packages go into a venv (below); Debian ships venv apart.
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # deploy/: the systemd unit is checked with systemd-analyze, the image built
@@ -71,9 +74,20 @@ cargo clippy --workspace --exclude llm-sidecar-dynamo --all-targets --locked -- 
 log "cargo test --workspace"
 cargo test --workspace --exclude llm-sidecar-dynamo --locked
 
-log "deploy/: Kubernetes schemas (1.33, strict), flags and stop budgets, systemd unit"
-python3 -m kubernetes_validate --strict --quiet -k 1.33.0 deploy/kubernetes/*.yaml
-python3 scripts/check-deploy.py target/debug/llm-sidecar
+log "deploy/: overlays rendered, Kubernetes schemas (1.33, strict), flags, engines and stop budgets, systemd unit"
+rendered=target/deploy
+rm -rf "$rendered" && mkdir -p "$rendered"
+for overlay in deploy/kubernetes/overlays/*/; do
+  # kustomize warns (stderr) about the older spellings kept for old kubectl:
+  # its stderr is shown only when it fails.
+  if ! kubectl kustomize "$overlay" > "$rendered/$(basename "$overlay").yaml" 2> "$rendered/kustomize.err"; then
+    cat "$rendered/kustomize.err"; exit 1
+  fi
+done
+rm -f "$rendered/kustomize.err"
+python3 -m kubernetes_validate --strict --quiet -k 1.33.0 "$rendered"/*.yaml
+python3 scripts/check-deploy.py target/debug/llm-sidecar "$rendered"/*.yaml
+python3 scripts/check-deploy.py --self-test target/debug/llm-sidecar "$rendered"/*.yaml
 unit_dir=$(mktemp -d)
 sed "s|/usr/local/bin/llm-sidecar|$PWD/target/debug/llm-sidecar|" deploy/systemd/llm-sidecar.service \
   > "$unit_dir/llm-sidecar.service"

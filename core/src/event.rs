@@ -50,6 +50,14 @@ pub enum Event {
         /// Why the answer was not fresh.
         error: String,
     },
+    /// The engine does not serve its load RPC (UNIMPLEMENTED or NOT_FOUND: an
+    /// older servicer). The stale-load rule cannot apply to it; the IO layer
+    /// follows the engine's connection instead and reports its end as
+    /// [`Event::EngineConnectionLost`].
+    LoadUnsupported {
+        /// The RPC the engine does not serve ("GetLoads", "GetLoad", …).
+        rpc: String,
+    },
     /// The probe re-read the engine's identity.
     IdentityObserved {
         /// The identity now answering on the engine's port.

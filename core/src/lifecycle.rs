@@ -262,6 +262,7 @@ impl Lifecycle {
             watch,
             last_fresh,
             probe_failing,
+            load_unsupported,
             in_flight,
             admission,
             // Only shown by `/state`; no decision reads it.
@@ -275,8 +276,11 @@ impl Lifecycle {
         (outstanding, maybe_present, withdraw_requested).hash(&mut h);
         retry_at.map(rel).hash(&mut h);
         watch.hash(&mut h);
-        reads_last_fresh.then(|| rel(*last_fresh)).hash(&mut h);
-        probe_failing.hash(&mut h);
+        // Without a load RPC the stale-load window is off: no clock reads it.
+        (reads_last_fresh && !*load_unsupported)
+            .then(|| rel(*last_fresh))
+            .hash(&mut h);
+        (probe_failing, load_unsupported).hash(&mut h);
         in_flight.hash(&mut h);
         admission.hash(&mut h);
         discovery_failing.hash(&mut h);

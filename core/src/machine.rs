@@ -183,6 +183,9 @@ pub(crate) struct Worker {
     pub(crate) watch: WatchPhase,
     pub(crate) last_fresh: Time,
     pub(crate) probe_failing: bool,
+    /// The engine does not serve its load RPC: no stale-load rule for it
+    /// (its connection is followed instead, by the IO layer).
+    pub(crate) load_unsupported: bool,
     pub(crate) in_flight: u64,
     pub(crate) admission: Admission,
     /// When the current state was entered.
@@ -207,6 +210,7 @@ impl Worker {
             watch: WatchPhase::AwaitingFirst,
             last_fresh: now,
             probe_failing: false,
+            load_unsupported: false,
             in_flight: 0,
             admission: Admission::Closed,
             since: now,
@@ -241,6 +245,7 @@ impl Worker {
         self.retry_at = None;
         self.watch = WatchPhase::AwaitingFirst;
         self.probe_failing = false;
+        self.load_unsupported = false;
         self.discovery_failing = false;
         step.log(
             Level::Info,
@@ -322,6 +327,7 @@ impl Worker {
             | Event::Liveness(_)
             | Event::ProbeSucceeded
             | Event::ProbeFailed { .. }
+            | Event::LoadUnsupported { .. }
             | Event::IdentityObserved { .. }
             | Event::EngineConnectionLost { .. }
             | Event::ShutdownSignal
@@ -373,6 +379,9 @@ impl Worker {
     fn observe_engine(&mut self, step: &mut Step, input: &Input) -> Option<LossReason> {
         let event = match input {
             Input::Timer => {
+                if self.load_unsupported {
+                    return None;
+                }
                 let stale_at = self.last_fresh + self.config.stale_after;
                 return (stale_at <= step.now).then(|| LossReason::StaleLoad {
                     stale_for: step.now - self.last_fresh,
@@ -418,7 +427,7 @@ impl Worker {
                 None
             }
             Event::ProbeFailed { error } => {
-                if !self.probe_failing {
+                if !self.probe_failing && !self.load_unsupported {
                     self.probe_failing = true;
                     step.log(
                         Level::Warn,
@@ -426,6 +435,21 @@ impl Worker {
                             "stale-load probe got no fresh answer: {error}; the engine counts as \
                              lost if this lasts {} since the last fresh answer",
                             HumanDuration(self.config.stale_after)
+                        ),
+                    );
+                }
+                None
+            }
+            Event::LoadUnsupported { rpc } => {
+                if !self.load_unsupported {
+                    self.load_unsupported = true;
+                    self.probe_failing = false;
+                    step.log(
+                        Level::Warn,
+                        format!(
+                            "{} engine does not serve its load RPC {rpc} (an older servicer): \
+                             no stale-load rule for it; its connection is followed instead",
+                            self.engine()
                         ),
                     );
                 }
@@ -472,6 +496,7 @@ impl Worker {
                 | Event::Liveness(_)
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
+                | Event::LoadUnsupported { .. }
                 | Event::IdentityObserved { .. }
                 | Event::EngineConnectionLost { .. }
                 | Event::ShutdownSignal,
@@ -603,6 +628,7 @@ impl Worker {
             | Event::Liveness(_)
             | Event::ProbeSucceeded
             | Event::ProbeFailed { .. }
+            | Event::LoadUnsupported { .. }
             | Event::IdentityObserved { .. }
             | Event::EngineConnectionLost { .. } => Handled,
         }
@@ -662,6 +688,7 @@ impl Worker {
             | Event::Liveness(_)
             | Event::ProbeSucceeded
             | Event::ProbeFailed { .. }
+            | Event::LoadUnsupported { .. }
             | Event::IdentityObserved { .. }
             | Event::EngineConnectionLost { .. } => Handled,
         }
@@ -737,6 +764,7 @@ impl Worker {
                 | Event::Liveness(_)
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
+                | Event::LoadUnsupported { .. }
                 | Event::IdentityObserved { .. }
                 | Event::EngineConnectionLost { .. }
                 | Event::InFlightChanged { .. },
@@ -784,6 +812,7 @@ impl Worker {
                 | Event::Liveness(_)
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
+                | Event::LoadUnsupported { .. }
                 | Event::IdentityObserved { .. }
                 | Event::EngineConnectionLost { .. }
                 | Event::InFlightChanged { .. },
@@ -970,6 +999,7 @@ impl Worker {
                 | Event::Liveness(_)
                 | Event::ProbeSucceeded
                 | Event::ProbeFailed { .. }
+                | Event::LoadUnsupported { .. }
                 | Event::IdentityObserved { .. }
                 | Event::EngineConnectionLost { .. }
                 | Event::ShutdownSignal
@@ -1007,12 +1037,13 @@ pub(crate) fn next_deadline(worker: &Worker, state: &State) -> Option<(Time, &'s
         State::Starting { abort: Some(a) } => {
             candidates.push((a.deadline, "discovery settle deadline"));
         }
-        State::Serving {} => {
+        State::Serving {} if !worker.load_unsupported => {
             candidates.push((
                 worker.last_fresh + worker.config.stale_after,
                 "stale-load window",
             ));
         }
+        State::Serving {} => {}
         State::Draining {
             admission_closes_at,
             drain_deadline,
@@ -1021,7 +1052,7 @@ pub(crate) fn next_deadline(worker: &Worker, state: &State) -> Option<(Time, &'s
             if worker.admission == Admission::Open {
                 candidates.push((*admission_closes_at, "router grace"));
             }
-            if !*engine_lost {
+            if !*engine_lost && !worker.load_unsupported {
                 candidates.push((
                     worker.last_fresh + worker.config.stale_after,
                     "stale-load window",

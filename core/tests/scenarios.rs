@@ -401,6 +401,45 @@ fn stale_load_is_a_loss_after_the_window() {
 }
 
 #[test]
+fn an_engine_without_a_load_rpc_warns_once_has_no_stale_window_and_is_lost_by_its_connection() {
+    let mut d = Driver::new();
+    d.serving();
+    let a = d.feed(
+        secs(2),
+        Event::LoadUnsupported {
+            rpc: "GetLoads".into(),
+        },
+    );
+    assert_eq!(
+        lines(&a, Level::Warn),
+        vec![
+            "TensorRT-LLM engine does not serve its load RPC GetLoads (an older servicer): no \
+             stale-load rule for it; its connection is followed instead"
+        ]
+    );
+    assert!(
+        d.feed(
+            secs(3),
+            Event::LoadUnsupported {
+                rpc: "GetLoads".into()
+            }
+        )
+        .is_empty()
+    );
+    assert_eq!(d.lc.poll_timeout(), None, "no stale-load window");
+    assert!(d.tick(secs(3600)).is_empty());
+    assert_eq!(d.lc.phase(), Phase::Serving);
+    let a = d.feed(
+        secs(3601),
+        Event::EngineConnectionLost {
+            error: "connection reset".into(),
+        },
+    );
+    assert_eq!(d.lc.phase(), Phase::Lost);
+    assert_eq!(lines(&a, Level::Error).len(), 1);
+}
+
+#[test]
 fn a_new_identity_is_a_loss() {
     let mut d = Driver::new();
     d.serving();

@@ -483,6 +483,7 @@ impl Driver {
             s.record_location = None;
             s.liveness_status = None;
             s.last_fresh_probe = None;
+            s.load_unsupported = false;
         });
         let wait = engine::startup::StartupWait {
             rejoin: true,
@@ -557,10 +558,14 @@ impl Driver {
                 token.clone(),
             ));
         }
+        // An engine without a load RPC is followed by its connection instead
+        // of the stale-load rule; kinds that follow it already need no second watch.
+        let unfollowed = (!profile.connection_is_identity).then(|| ready.connection.clone());
         tokio::spawn(engine::monitors::probe(
             profile.kind,
             channel,
             t.probe_interval,
+            unfollowed,
             self.events.clone(),
             token.clone(),
         ));

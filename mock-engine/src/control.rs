@@ -5,7 +5,7 @@
 //! | `/liveness?status=N[&service=S]` | set a health service's raw status (registers it); the default service is the kind's liveness one (`liveness`, or the engine's gRPC service for vLLM and SGLang) |
 //! | `/unregister?service=S` | remove a health service (Watch then sees SERVICE_UNKNOWN) |
 //! | `/stall` | SGLang's stall: the scheduler produced nothing with requests pending, so its service turns NOT_SERVING (SGLang after 30 s; the mock at once) |
-//! | `/getload?mode=ok\|stall\|unavailable` | how GetLoad (OpenEngine) and GetLoads (vLLM, SGLang) answer: unavailable is TensorRT-LLM's stale KV snapshot |
+//! | `/getload?mode=ok\|stall\|unavailable\|unimplemented` | how GetLoad (OpenEngine) and GetLoads (vLLM, SGLang) answer: unavailable is TensorRT-LLM's stale KV snapshot, unimplemented a servicer older than the RPC |
 //! | `/watch/end[?trailers=false]` | end every open Watch stream with OK (or with no trailers at all) |
 //! | `/watch/hold?on=true\|false` | hold back (or release) the first message of Watch streams |
 //! | `/watch/fail?code=N&message=M` | fail every open Watch stream with that status |
@@ -57,6 +57,7 @@ fn route(state: &State, req: &Request) -> Response {
                 Some("ok") | None => LoadMode::Ok,
                 Some("stall") => LoadMode::Stall,
                 Some("unavailable") => LoadMode::Unavailable,
+                Some("unimplemented") => LoadMode::Unimplemented,
                 Some(other) => return Response::text(400, format!("unknown mode {other:?}\n")),
             };
             *lock(&state.load_mode) = mode;

@@ -94,6 +94,11 @@ pub struct MockConfig {
     /// Serve no engine API at all (only grpc.health.v1 and the Echo service):
     /// a gRPC server that is none of the engines.
     pub no_engine_api: bool,
+    /// The kind's load RPC (GetLoad, GetLoads) answers UNIMPLEMENTED from the
+    /// start, as servicers older than it do; `/getload?mode=` changes it.
+    pub load_unimplemented: bool,
+    /// GetServerInfo answers UNIMPLEMENTED, as servers older than it do.
+    pub server_info_unimplemented: bool,
 }
 
 /// How GetLoad / GetLoads answer.
@@ -102,6 +107,8 @@ pub(crate) enum LoadMode {
     Ok,
     Stall,
     Unavailable,
+    /// UNIMPLEMENTED, as grpcio answers a method the servicer lacks.
+    Unimplemented,
 }
 
 /// How HealthCheck answers.
@@ -319,7 +326,11 @@ pub async fn run(
         instance_id: instance_id(),
         started,
         start_unix_secs,
-        load_mode: Mutex::new(LoadMode::Ok),
+        load_mode: Mutex::new(if config.load_unimplemented {
+            LoadMode::Unimplemented
+        } else {
+            LoadMode::Ok
+        }),
     });
 
     let control_cancel = CancellationToken::new();

@@ -127,10 +127,7 @@ impl TrtllmService for Engine {
         &self,
         _request: Request<GetServerInfoRequest>,
     ) -> Result<Response<GetServerInfoResponse>, Status> {
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.answer_server_info()?;
         Ok(Response::new(GetServerInfoResponse {
             version: lock(&self.state.version).clone(),
             backend: self.state.config.backend.clone(),

@@ -81,6 +81,8 @@ pub enum AbstractEvent {
     ProbeOk,
     /// The probe gets no fresh answer.
     ProbeFailed,
+    /// The probe's load RPC is UNIMPLEMENTED (an older servicer).
+    LoadUnsupported,
     /// The probe reads the same identity.
     IdentitySame,
     /// The probe reads another identity.
@@ -106,7 +108,7 @@ pub enum AbstractEvent {
 
 impl AbstractEvent {
     /// Every kind, in declaration order.
-    pub const ALL: [AbstractEvent; 27] = [
+    pub const ALL: [AbstractEvent; 28] = [
         AbstractEvent::EngineReady,
         AbstractEvent::Registered,
         AbstractEvent::RegistrationFailed,
@@ -124,6 +126,7 @@ impl AbstractEvent {
         AbstractEvent::WatchNotOpened,
         AbstractEvent::ProbeOk,
         AbstractEvent::ProbeFailed,
+        AbstractEvent::LoadUnsupported,
         AbstractEvent::IdentitySame,
         AbstractEvent::IdentityChanged,
         AbstractEvent::ConnectionLost,
@@ -266,6 +269,14 @@ impl World {
                     now,
                     Event::ProbeFailed {
                         error: "HealthCheck timed out".into(),
+                    },
+                )
+            }),
+            A::LoadUnsupported => (self.monitors || self.exited).then(|| {
+                Input::Event(
+                    now,
+                    Event::LoadUnsupported {
+                        rpc: "GetLoad".into(),
                     },
                 )
             }),
@@ -449,6 +460,10 @@ pub struct Checker {
     liveness_first_seen: bool,
     liveness_unsupported: bool,
     liveness_warnings_in_serving: u32,
+    /// The engine said it does not serve its load RPC.
+    load_unsupported: bool,
+    /// Warnings naming an unsupported load RPC.
+    load_warnings: u32,
     /// The startup deadline of the current instance, once a rejoin moved it
     /// (`None`: the configured one, from time zero).
     startup_deadline_at: Option<Time>,
@@ -699,6 +714,41 @@ impl Checker {
             }
         }
 
+        // 6. An unsupported load RPC: one warning, and never a stale-load loss.
+        let load_warnings = actions
+            .iter()
+            .filter(|a| {
+                matches!(a, Action::Log { level: Level::Warn, message }
+                    if message.contains("does not serve its load RPC"))
+            })
+            .count() as u32;
+        self.load_warnings += load_warnings;
+        if matches!(event, Some(Event::LoadUnsupported { .. })) && before == Phase::Serving {
+            if !self.load_unsupported && load_warnings != 1 {
+                return violation(
+                    6,
+                    format!("an unsupported load RPC gave {load_warnings} warnings"),
+                );
+            }
+            if after != Phase::Serving {
+                return violation(6, format!("an unsupported load RPC caused {after:?}"));
+            }
+            self.load_unsupported = true;
+        }
+        if load_warnings > 0 {
+            self.load_unsupported = true;
+        }
+        if self.load_warnings > 1 {
+            return violation(6, "an unsupported load RPC warned more than once");
+        }
+        if self.load_unsupported
+            && actions.iter().any(
+                |a| matches!(a, Action::Log { message, .. } if message.contains("routing load stale")),
+            )
+        {
+            return violation(6, "a stale-load loss for an engine without a load RPC");
+        }
+
         // At the exit: 1, 3, 4, 5, 7.
         if let Some(Action::Exit(code)) = actions.last() {
             if Some(*code) != self.decided {
@@ -781,6 +831,8 @@ impl Checker {
             liveness_first_seen,
             liveness_unsupported,
             liveness_warnings_in_serving,
+            load_unsupported,
+            load_warnings,
             startup_deadline_at,
             signalled_since_loss,
         } = self;
@@ -796,6 +848,7 @@ impl Checker {
             liveness_unsupported,
             // Only "none", "one" and "more than one" are ever checked.
             (*liveness_warnings_in_serving).min(2),
+            (load_unsupported, (*load_warnings).min(2)),
             // Only "passed or not" is ever read; a passed deadline stays passed.
             startup_deadline_at.map(|t| rel(t).max(0)),
             signalled_since_loss,

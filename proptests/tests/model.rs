@@ -64,6 +64,8 @@ struct Model {
     rejoins: u32,
     /// An engine loss was seen while Draining: it closed admission at once.
     drain_loss: bool,
+    /// The engine does not serve its load RPC: no stale-load window.
+    stale_off: bool,
 }
 
 impl Model {
@@ -95,6 +97,7 @@ impl Model {
             self.retry = false;
             self.watch = Watch::AwaitingFirst;
             self.in_flight = 0;
+            self.stale_off = false;
             self.rejoins += 1;
         } else {
             self.exit(ExitReason::EngineLost);
@@ -191,7 +194,9 @@ fn deliverable(m: &Model, e: A) -> bool {
         A::RegistrationLost => m.record,
         A::CallStarted => m.admission,
         A::CallEnded => m.in_flight > 0,
-        A::Shutdown | A::FireNextTimer => true,
+        A::Shutdown => true,
+        // Serving's only clock is the stale-load window (and a retry).
+        A::FireNextTimer => !(m.phase == Phase::Serving && m.stale_off && !m.retry),
         A::WaitShort | A::WaitLong => false,
         A::LiveServing
         | A::LiveNotServing
@@ -204,6 +209,7 @@ fn deliverable(m: &Model, e: A) -> bool {
         | A::WatchNotOpened
         | A::ProbeOk
         | A::ProbeFailed
+        | A::LoadUnsupported
         | A::IdentitySame
         | A::IdentityChanged
         | A::ConnectionLost
@@ -234,6 +240,7 @@ impl ReferenceStateMachine for Reference {
                 signalled: false,
                 rejoins: 0,
                 drain_loss: false,
+                stale_off: false,
             })
             .boxed()
     }
@@ -256,7 +263,7 @@ impl ReferenceStateMachine for Reference {
                     | A::WatchEnded
                     | A::WatchFailed
                     | A::WatchNotOpened => 1,
-                    A::WatchUnimplemented | A::LiveServiceUnknown => 3,
+                    A::WatchUnimplemented | A::LiveServiceUnknown | A::LoadUnsupported => 3,
                     _ => 10,
                 };
                 (weight, Just(e).boxed())
@@ -338,6 +345,7 @@ impl ReferenceStateMachine for Reference {
                     }
                 }
                 A::FireNextTimer | A::IdentityChanged | A::ConnectionLost => m.lose(),
+                A::LoadUnsupported => m.stale_off = true,
                 A::Shutdown => {
                     m.phase = Phase::Draining;
                     m.retry = false;
@@ -365,6 +373,7 @@ impl ReferenceStateMachine for Reference {
                 A::FireNextTimer if m.admission => m.admission = false,
                 A::FireNextTimer => m.exit(ExitReason::Clean),
                 A::IdentityChanged | A::ConnectionLost if !m.drain_loss => m.lose_in_drain(),
+                A::LoadUnsupported if !m.drain_loss => m.stale_off = true,
                 e if reads_liveness(e) && !m.drain_loss =>
                 {
                     #[allow(

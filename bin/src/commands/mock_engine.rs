@@ -80,6 +80,14 @@ pub struct MockArgs {
     /// account that survives the mock being killed.
     #[arg(long)]
     pub journal: Option<std::path::PathBuf>,
+    /// The kind's load RPC (OpenEngine GetLoad, vLLM and SGLang GetLoads)
+    /// answers UNIMPLEMENTED, as servicers older than it do (control
+    /// `/getload?mode=ok` serves it again).
+    #[arg(long)]
+    pub load_unimplemented: bool,
+    /// GetServerInfo answers UNIMPLEMENTED, as servers older than it do.
+    #[arg(long)]
+    pub server_info_unimplemented: bool,
     /// Log format (stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -106,6 +114,8 @@ pub fn run(args: MockArgs) -> i32 {
         warmup: args.warmup,
         load_delay: args.load_delay,
         no_engine_api: args.no_engine_api,
+        load_unimplemented: args.load_unimplemented,
+        server_info_unimplemented: args.server_info_unimplemented,
         health: if args.no_health {
             HealthMode::Absent
         } else if args.liveness_unregistered {

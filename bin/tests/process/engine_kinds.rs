@@ -276,9 +276,9 @@ fn an_engine_serving_none_of_the_apis_fails_start_up_saying_what_was_tried() {
     assert!(
         log.contains(
             "serves none of the engine APIs llm-sidecar follows (tried \
-             /openengine.v1.Control/GetServerInfo, /trtllm.TrtllmService/GetServerInfo, \
+             /openengine.v1.Control/GetServerInfo, /trtllm.TrtllmService/GetModelInfo, \
              /vllm.grpc.engine.VllmEngine/GetModelInfo, \
-             /sglang.grpc.scheduler.SglangScheduler/GetServerInfo: every one UNIMPLEMENTED)"
+             /sglang.grpc.scheduler.SglangScheduler/GetModelInfo: every one UNIMPLEMENTED)"
         ),
         "{log}"
     );
@@ -757,4 +757,156 @@ fn an_engine_killed_inside_the_router_grace_ends_the_drain_at_once_with_exit_0()
     let warn = sidecar.proc.wait_for_line("engine lost during drain", HANG);
     assert!(warn.ends_with("exit code stays 0"), "{warn}");
     sidecar.proc.assert_withdrawn_before_exit(0);
+}
+
+// ---- older servicers: a load RPC or an identity read they do not serve --------
+
+/// A servicer older than its kind's load RPC (UNIMPLEMENTED from the start):
+/// registered all the same, one WARN naming the RPC, no stale-load loss long
+/// past the window, and a SIGKILL still a loss at once, by the connection.
+/// OpenEngine runs without its health service too, so that the connection
+/// the probe follows is the only thing that can notice the kill.
+#[test]
+fn a_servicer_without_its_load_rpc_registers_has_no_stale_loss_and_is_lost_by_its_connection() {
+    for (kind, rpc, mock_extra) in [
+        (OPENENGINE, "GetLoad", &["--no-health"][..]),
+        (VLLM, "GetLoads", &[][..]),
+        (SGLANG, "GetLoads", &[][..]),
+    ] {
+        let dir = TempDir::new(&format!("no-load-rpc-{}", kind.flag));
+        let mut mock_args_ = vec!["--load-unimplemented"];
+        mock_args_.extend_from_slice(mock_extra);
+        let (mock, mut sidecar) = serving_kind(
+            &dir,
+            kind,
+            &mock_args_,
+            &["--stale-after", "1s", "--probe-interval", "200ms"],
+        );
+        let warning = format!(
+            "{} engine does not serve its load RPC {rpc} (an older servicer): no stale-load rule \
+             for it; its connection is followed instead",
+            kind.engine
+        );
+        assert!(
+            sidecar
+                .proc
+                .wait_for_line(&warning, HANG)
+                .contains(" WARN "),
+            "{}",
+            kind.flag
+        );
+        std::thread::sleep(Duration::from_secs(3));
+        assert!(
+            sidecar.proc.running(),
+            "{}: no stale-load loss three windows on; log:\n{}",
+            kind.flag,
+            sidecar.proc.log_text()
+        );
+        assert_eq!(
+            sidecar.proc.count_lines(&warning),
+            1,
+            "{}: said once",
+            kind.flag
+        );
+        assert_eq!(
+            sidecar.metric("llm_sidecar_stale_load_rule"),
+            Some(0.0),
+            "{}",
+            kind.flag
+        );
+        if kind.flag == "vllm" {
+            // GetLoads carries vLLM's version: without it, the record says so.
+            let r = sidecar.record(&sidecar.records()[0]);
+            assert_eq!(r["engine"]["version"], "unknown", "{r}");
+            assert_eq!(
+                sidecar
+                    .proc
+                    .count_lines("does not serve GetLoads (an older servicer)"),
+                1
+            );
+        }
+        let killed = std::time::Instant::now();
+        mock.proc.signal("KILL");
+        assert_eq!(sidecar.proc.wait_exit(HANG), 1, "{}", kind.flag);
+        let took = killed.elapsed();
+        let log = sidecar.proc.log_text();
+        let line = log
+            .lines()
+            .find(|l| l.contains(" engine lost: "))
+            .unwrap_or_else(|| panic!("{}: no loss line:\n{log}", kind.flag));
+        assert!(
+            line.contains("engine connection lost") || line.contains("health check failed"),
+            "{}: {line}",
+            kind.flag
+        );
+        assert!(sidecar.records().is_empty(), "{}", kind.flag);
+        sidecar.proc.assert_withdrawn_before_exit(1);
+        println!("{}: SIGKILL to exit {took:?} without a load RPC", kind.flag);
+    }
+}
+
+/// The load RPC turning UNIMPLEMENTED while serving (the engine swapped for an
+/// older servicer behind a proxy, or the RPC switched off): one WARN, the
+/// stale-load rule off, the worker stays registered.
+#[test]
+fn a_load_rpc_turning_unimplemented_later_warns_once_and_is_no_loss() {
+    for kind in [OPENENGINE, SGLANG] {
+        let dir = TempDir::new(&format!("load-rpc-later-{}", kind.flag));
+        let (mock, mut sidecar) = serving_kind(
+            &dir,
+            kind,
+            &[],
+            &["--stale-after", "1s", "--probe-interval", "200ms"],
+        );
+        assert_eq!(sidecar.metric("llm_sidecar_stale_load_rule"), Some(1.0));
+        mock.control("/getload?mode=unimplemented");
+        sidecar
+            .proc
+            .wait_for_line("does not serve its load RPC", HANG);
+        std::thread::sleep(Duration::from_secs(3));
+        assert!(
+            sidecar.proc.running(),
+            "{}: log:\n{}",
+            kind.flag,
+            sidecar.proc.log_text()
+        );
+        assert_eq!(sidecar.proc.count_lines("does not serve its load RPC"), 1);
+        assert_eq!(
+            sidecar
+                .proc
+                .count_lines("stale-load probe got no fresh answer"),
+            0
+        );
+        assert_eq!(
+            sidecar.records().len(),
+            1,
+            "{}: still registered",
+            kind.flag
+        );
+        sidecar.proc.signal("TERM");
+        assert_eq!(sidecar.proc.wait_exit(HANG), 0, "{}", kind.flag);
+    }
+}
+
+/// A server older than `GetServerInfo`: registered with what its other calls
+/// said, version "unknown", said once.
+#[test]
+fn a_server_without_get_server_info_registers_with_what_is_known() {
+    for kind in [TRTLLM, SGLANG] {
+        let dir = TempDir::new(&format!("no-server-info-{}", kind.flag));
+        let (_mock, mut sidecar) = serving_kind(&dir, kind, &["--server-info-unimplemented"], &[]);
+        let r = sidecar.record(&sidecar.records()[0]);
+        assert_eq!(r["engine"]["kind"], kind.flag, "{r}");
+        assert_eq!(r["engine"]["version"], "unknown", "{r}");
+        assert_eq!(r["model"]["name"], "mock/llama-3-8b-instruct", "{r}");
+        let warning = format!(
+            "the {} engine does not serve GetServerInfo (an older servicer)",
+            kind.engine
+        );
+        assert_eq!(sidecar.proc.count_lines(&warning), 1, "{}", kind.flag);
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(sidecar.proc.running(), "{}: the identity holds", kind.flag);
+        sidecar.proc.signal("TERM");
+        assert_eq!(sidecar.proc.wait_exit(HANG), 0, "{}", kind.flag);
+    }
 }

@@ -55,6 +55,7 @@ pub(crate) struct Snapshot {
     losses: Vec<(&'static str, u64)>,
     liveness_status: i64,
     probe_age: f64,
+    stale_load_rule: i64,
     discovery_write_failures: u64,
     loss_to_withdraw: f64,
     in_flight: u64,
@@ -86,7 +87,9 @@ impl Snapshot {
             liveness_status: status.liveness_status.map_or(-1, i64::from),
             probe_age: status
                 .last_fresh_probe
+                .filter(|_| !status.load_unsupported)
                 .map_or(-1.0, |t| t.elapsed().as_secs_f64()),
+            stale_load_rule: i64::from(!status.load_unsupported),
             discovery_write_failures: status.discovery_write_failures,
             loss_to_withdraw: status.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64()),
             in_flight,
@@ -159,8 +162,16 @@ impl Snapshot {
         one(
             e,
             "llm_sidecar_probe_age_seconds",
-            "Seconds since the last fresh probe answer (-1: none yet).",
+            "Seconds since the last fresh probe answer (-1: none yet, or the engine has no \
+             load RPC).",
             ConstGauge::new(self.probe_age),
+        )?;
+        one(
+            e,
+            "llm_sidecar_stale_load_rule",
+            "1 while the stale-load rule applies; 0 once the engine said it does not serve \
+             its load RPC (its connection is followed instead).",
+            ConstGauge::new(self.stale_load_rule),
         )?;
         one(
             e,

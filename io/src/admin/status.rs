@@ -62,6 +62,7 @@ impl Shared {
                 self.update(|s| s.liveness_status = Some(*raw));
             }
             Event::ProbeSucceeded => self.update(|s| s.last_fresh_probe = Some(Instant::now())),
+            Event::LoadUnsupported { .. } => self.update(|s| s.load_unsupported = true),
             Event::Withdrawn => self.update(|s| {
                 if let Some((at, reason)) = s.lost_at.take() {
                     let took = at.elapsed();
@@ -98,6 +99,8 @@ pub(crate) struct Status {
     pub(crate) in_flight: u64,
     pub(crate) liveness_status: Option<i32>,
     pub(crate) last_fresh_probe: Option<Instant>,
+    /// The engine does not serve its load RPC: no stale-load rule, no probe age.
+    pub(crate) load_unsupported: bool,
     pub(crate) losses: BTreeMap<&'static str, u64>,
     pub(crate) discovery_write_failures: u64,
     /// When the lifecycle accepted the last loss, and its reason label,

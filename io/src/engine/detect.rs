@@ -1,7 +1,10 @@
 //! `--engine-kind auto`: which API does the engine serve? One cheap call per
 //! kind, all at once, on the connection start-up just opened; a kind whose
 //! service the engine does not serve answers UNIMPLEMENTED. Never a guess:
-//! anything else (the engine still starting) means "try again".
+//! anything else (the engine still starting) means "try again". The call is
+//! one every version of the kind's servicer has (`GetModelInfo`; OpenEngine's
+//! `GetServerInfo`, part of its API from the first release), so an older
+//! servicer is still found.
 
 use std::time::Duration;
 
@@ -19,14 +22,14 @@ pub const DETECTION_CALLS: [(EngineKind, &str); 4] = [
         EngineKind::OpenEngine,
         "/openengine.v1.Control/GetServerInfo",
     ),
-    (EngineKind::Trtllm, "/trtllm.TrtllmService/GetServerInfo"),
+    (EngineKind::Trtllm, "/trtllm.TrtllmService/GetModelInfo"),
     (
         EngineKind::Vllm,
         "/vllm.grpc.engine.VllmEngine/GetModelInfo",
     ),
     (
         EngineKind::Sglang,
-        "/sglang.grpc.scheduler.SglangScheduler/GetServerInfo",
+        "/sglang.grpc.scheduler.SglangScheduler/GetModelInfo",
     ),
 ];
 
@@ -73,10 +76,10 @@ async fn answers(
         .await
         .map(|_| ()),
         EngineKind::Trtllm => bounded(
-            "GetServerInfo",
+            "GetModelInfo",
             bound,
             TrtllmServiceClient::new(channel.clone())
-                .get_server_info(trtllm::GetServerInfoRequest {}),
+                .get_model_info(trtllm::GetModelInfoRequest {}),
         )
         .await
         .map(|_| ()),
@@ -89,10 +92,10 @@ async fn answers(
         .await
         .map(|_| ()),
         EngineKind::Sglang => bounded(
-            "GetServerInfo",
+            "GetModelInfo",
             bound,
             SglangSchedulerClient::new(channel.clone())
-                .get_server_info(sglang::GetServerInfoRequest {}),
+                .get_model_info(sglang::GetModelInfoRequest {}),
         )
         .await
         .map(|_| ()),

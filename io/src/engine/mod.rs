@@ -171,7 +171,13 @@ pub struct EngineInfo {
     pub instance_id: Option<String>,
     /// The served model.
     pub model: ModelRecord,
+    /// Start-up reads the engine does not serve (an older servicer), read
+    /// around: the record carries what the others said.
+    pub unserved: Vec<&'static str>,
 }
+
+/// The version a record carries when the engine's API did not say.
+pub const UNKNOWN_VERSION: &str = "unknown";
 
 impl EngineInfo {
     /// This engine's profile.
@@ -221,6 +227,44 @@ pub enum EngineError {
         /// The answer.
         answer: String,
     },
+}
+
+impl EngineError {
+    /// The RPC this error names, if the engine does not serve it at all
+    /// (UNIMPLEMENTED, or NOT_FOUND as some servers say it): a servicer older
+    /// than the RPC, not an engine in trouble.
+    pub fn unserved_call(&self) -> Option<&'static str> {
+        match self {
+            EngineError::Call {
+                call,
+                code: tonic::Code::Unimplemented | tonic::Code::NotFound,
+                ..
+            } => Some(call),
+            EngineError::Call { .. }
+            | EngineError::Connect(_)
+            | EngineError::Timeout { .. }
+            | EngineError::NotFresh { .. } => None,
+        }
+    }
+}
+
+/// An optional start-up read: its answer, or `None` (noted in `unserved`)
+/// when the engine does not serve the RPC; any other failure is the
+/// attempt's.
+pub(crate) fn optional<T>(
+    answer: Result<T, EngineError>,
+    unserved: &mut Vec<&'static str>,
+) -> Result<Option<T>, EngineError> {
+    match answer {
+        Ok(value) => Ok(Some(value)),
+        Err(e) => match e.unserved_call() {
+            Some(call) => {
+                unserved.push(call);
+                Ok(None)
+            }
+            None => Err(e),
+        },
+    }
 }
 
 /// How the engine connection is set up.

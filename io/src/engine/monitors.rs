@@ -15,7 +15,7 @@ use tonic_health::pb::health_client::HealthClient;
 
 use tonic_health::pb::health_check_response::ServingStatus;
 
-use super::{ConnectionWatch, EngineKind, probe as probe_once};
+use super::{ConnectionWatch, EngineError, EngineKind, probe as probe_once};
 
 /// A stream that ended without trailers surfaces in tonic ≥ 0.14.6 as Unknown
 /// "missing grpc-status trailer": that is a stream end, not a failure.
@@ -182,18 +182,25 @@ pub(crate) async fn watch_connection(
     let _ = events.send(Event::EngineConnectionLost { error }).await;
 }
 
-/// Probes load freshness every `interval` and re-reads the identity.
+/// Probes load freshness every `interval`, the first time at once, and
+/// re-reads the identity.
+///
+/// An engine that does not serve its load RPC (UNIMPLEMENTED or NOT_FOUND:
+/// an older servicer) is said to the core once, as such, and never again as
+/// a probe failure; `connection`, when given (the kind does not follow it
+/// already), is then followed instead, so that the engine going away is
+/// still a loss. Its identity is still re-read every round.
 pub(crate) async fn probe(
     kind: EngineKind,
     channel: Channel,
     interval: Duration,
+    mut connection: Option<ConnectionWatch>,
     events: mpsc::Sender<Event>,
     cancel: CancellationToken,
 ) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The first tick is immediate; start-up just read the engine, so skip it.
-    ticker.tick().await;
+    let mut load_served = true;
     loop {
         tokio::select! {
             () = cancel.cancelled() => return,
@@ -201,13 +208,30 @@ pub(crate) async fn probe(
         }
         let round = async {
             let probed = probe_once(kind, &channel, interval).await;
-            let event = match probed.fresh {
-                Ok(()) => Event::ProbeSucceeded,
-                Err(e) => Event::ProbeFailed {
+            let unserved = probed
+                .fresh
+                .as_ref()
+                .err()
+                .and_then(EngineError::unserved_call);
+            let event = match (unserved, probed.fresh) {
+                (Some(rpc), _) => {
+                    let first = std::mem::replace(&mut load_served, false);
+                    if let Some(connection) = connection.take() {
+                        tokio::spawn(watch_connection(connection, events.clone(), cancel.clone()));
+                    }
+                    first.then(|| Event::LoadUnsupported {
+                        rpc: rpc.to_string(),
+                    })
+                }
+                (None, _) if !load_served => None,
+                (None, Ok(())) => Some(Event::ProbeSucceeded),
+                (None, Err(e)) => Some(Event::ProbeFailed {
                     error: e.to_string(),
-                },
+                }),
             };
-            let _ = events.send(event).await;
+            if let Some(event) = event {
+                let _ = events.send(event).await;
+            }
             if let Some(identity) = probed.identity {
                 let _ = events.send(Event::IdentityObserved { identity }).await;
             }

@@ -62,6 +62,7 @@ pub(super) async fn read_info(
         }),
         version: server.engine_version,
         instance_id,
+        unserved: Vec::new(),
         model: ModelRecord {
             name,
             max_input_len: context,
@@ -70,7 +71,8 @@ pub(super) async fn read_info(
     })
 }
 
-/// `GetLoad` answering is fresh; its `instance_id` is who answers.
+/// `GetLoad` answering is fresh; its `instance_id` is who answers. A server
+/// without `GetLoad` is asked who it is through `GetServerInfo`.
 pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
     let mut client = ControlClient::new(channel.clone());
     match bounded(
@@ -86,6 +88,20 @@ pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
             fresh: Ok(()),
             identity: (!load.instance_id.is_empty()).then_some(load.instance_id),
         },
+        Err(e) if e.unserved_call().is_some() => {
+            let server = bounded(
+                "GetServerInfo",
+                bound,
+                client.get_server_info(GetServerInfoRequest {}),
+            )
+            .await;
+            Probed {
+                fresh: Err(e),
+                identity: server
+                    .ok()
+                    .and_then(|s| (!s.instance_id.is_empty()).then_some(s.instance_id)),
+            }
+        }
         Err(e) => Probed {
             fresh: Err(e),
             identity: None,

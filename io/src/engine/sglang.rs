@@ -1,7 +1,9 @@
 //! SGLang through `sglang.grpc.scheduler.SglangScheduler`: `GetModelInfo`
 //! describes the model, `GetServerInfo` the version and `start_time` (whole
 //! seconds), which is the identity; `GetLoads` answering at all is the
-//! fresh-load signal.
+//! fresh-load signal. A servicer older than `GetServerInfo` is registered
+//! without a version, and its connection (followed for every SGLang engine)
+//! is its only identity.
 
 use std::time::{Duration, SystemTime};
 
@@ -11,7 +13,7 @@ use llm_sidecar_engine_api::sglang::{
 };
 use tonic::transport::Channel;
 
-use super::{EngineError, EngineInfo, EngineKind, Probed, bounded};
+use super::{EngineError, EngineInfo, EngineKind, Probed, UNKNOWN_VERSION, bounded, optional};
 use crate::discovery::ModelRecord;
 
 /// The identity: when the engine process started, as it says.
@@ -38,12 +40,16 @@ pub(super) async fn read_info(
         client.get_model_info(GetModelInfoRequest {}),
     )
     .await?;
-    let server = bounded(
-        "GetServerInfo",
-        bound,
-        client.get_server_info(GetServerInfoRequest {}),
-    )
-    .await?;
+    let mut unserved = Vec::new();
+    let server = optional(
+        bounded(
+            "GetServerInfo",
+            bound,
+            client.get_server_info(GetServerInfoRequest {}),
+        )
+        .await,
+        &mut unserved,
+    )?;
     let name = if model.served_model_name.is_empty() {
         model.model_path
     } else {
@@ -57,9 +63,12 @@ pub(super) async fn read_info(
     Ok(EngineInfo {
         kind: EngineKind::Sglang,
         display_name: EngineKind::Sglang.profile().display_name.to_string(),
-        identity: started(&server),
-        version: server.sglang_version,
+        identity: server
+            .as_ref()
+            .map_or_else(|| format!("sglang model={name}"), started),
+        version: server.map_or_else(|| UNKNOWN_VERSION.to_string(), |s| s.sglang_version),
         instance_id: None,
+        unserved,
         model: ModelRecord {
             name,
             max_input_len: i64::from(max_input),

@@ -155,6 +155,15 @@ pub(crate) async fn wait_for_engine(
                     info.display_name,
                     wait.address,
                 );
+                if !info.unserved.is_empty() {
+                    tracing::warn!(
+                        "the {} engine does not serve {} (an older servicer): registering with \
+                         what its other calls said, version {:?}",
+                        info.display_name,
+                        info.unserved.join(", "),
+                        info.version
+                    );
+                }
                 let _ = ready.send(engine).await;
                 return;
             }

@@ -2,6 +2,8 @@
 //! model, `GetLoads` answering at all is the fresh-load signal (and carries
 //! the version). The API has no per-process identity, so the monitors'
 //! connection stands for it (the profile's `connection_is_identity`).
+//! Servicers older than `GetLoads` (smg-grpc-servicer before mid-2026) are
+//! registered without a version, and have no stale-load rule.
 
 use std::time::Duration;
 
@@ -9,7 +11,7 @@ use llm_sidecar_engine_api::vllm::vllm_engine_client::VllmEngineClient;
 use llm_sidecar_engine_api::vllm::{GetLoadsRequest, GetModelInfoRequest};
 use tonic::transport::Channel;
 
-use super::{EngineError, EngineInfo, EngineKind, Probed, bounded};
+use super::{EngineError, EngineInfo, EngineKind, Probed, UNKNOWN_VERSION, bounded, optional};
 use crate::discovery::ModelRecord;
 
 fn loads() -> GetLoadsRequest {
@@ -30,7 +32,12 @@ pub(super) async fn read_info(
         client.get_model_info(GetModelInfoRequest {}),
     )
     .await?;
-    let load = bounded("GetLoads", bound, client.get_loads(loads())).await?;
+    let mut unserved = Vec::new();
+    let version = optional(
+        bounded("GetLoads", bound, client.get_loads(loads())).await,
+        &mut unserved,
+    )?
+    .map_or_else(|| UNKNOWN_VERSION.to_string(), |load| load.version);
     let name = if model.served_model_name.is_empty() {
         model.model_path
     } else {
@@ -45,11 +52,12 @@ pub(super) async fn read_info(
         kind: EngineKind::Vllm,
         display_name: EngineKind::Vllm.profile().display_name.to_string(),
         identity: format!(
-            "vllm {} model={name} max_context_length={}",
-            load.version, model.max_context_length
+            "vllm {version} model={name} max_context_length={}",
+            model.max_context_length
         ),
-        version: load.version,
+        version,
         instance_id: None,
+        unserved,
         model: ModelRecord {
             name,
             max_input_len: max_input,

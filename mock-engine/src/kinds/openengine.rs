@@ -89,7 +89,7 @@ impl Control for OpenEngine {
         _: Request<GetServerInfoRequest>,
     ) -> Result<Response<ServerInfo>, Status> {
         let s = &self.state;
-        s.counters.info_calls.fetch_add(1, Ordering::Relaxed);
+        s.answer_server_info()?;
         Ok(Response::new(ServerInfo {
             engine_name: s.config.engine_name.clone(),
             engine_version: lock(&s.version).clone(),
@@ -211,6 +211,18 @@ impl State {
                 self.cancel_calls.cancelled().await;
                 Err(Status::unavailable("Cancelling all calls"))
             }
+            LoadMode::Unimplemented => Err(Status::unimplemented("Method not found!")),
+        }
+    }
+
+    /// GetServerInfo, for a server older than it: UNIMPLEMENTED as grpcio
+    /// answers a method the servicer lacks.
+    pub(crate) fn answer_server_info(&self) -> Result<(), Status> {
+        self.counters.info_calls.fetch_add(1, Ordering::Relaxed);
+        if self.config.server_info_unimplemented {
+            Err(Status::unimplemented("Method not found!"))
+        } else {
+            Ok(())
         }
     }
 }

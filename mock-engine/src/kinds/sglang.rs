@@ -117,7 +117,7 @@ impl SglangScheduler for Sglang {
         _: Request<GetServerInfoRequest>,
     ) -> Result<Response<GetServerInfoResponse>, Status> {
         let s = &self.state;
-        s.counters.info_calls.fetch_add(1, Ordering::Relaxed);
+        s.answer_server_info()?;
         Ok(Response::new(GetServerInfoResponse {
             active_requests: 0,
             is_paused: false,

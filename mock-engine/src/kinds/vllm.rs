@@ -118,10 +118,7 @@ impl VllmEngine for Vllm {
         &self,
         _: Request<GetServerInfoRequest>,
     ) -> Result<Response<GetServerInfoResponse>, Status> {
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.answer_server_info()?;
         Ok(Response::new(GetServerInfoResponse {
             active_requests: 0,
             is_paused: false,
