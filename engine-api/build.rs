@@ -1,11 +1,13 @@
 //! Generates the engine APIs' clients and servers from our own protos, with the
 //! `protoc` that protoc-bin-vendored ships (no system protoc needed).
 
-const PROTOS: [&str; 4] = [
+const PROTOS: [&str; 6] = [
     "proto/trtllm_service.proto",
     "proto/openengine.proto",
     "proto/vllm_engine.proto",
     "proto/sglang_scheduler.proto",
+    "proto/vllm_native.proto",
+    "proto/sglang_runtime.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

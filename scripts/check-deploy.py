@@ -86,6 +86,35 @@ ENGINES = {
                   "--max-model-len", "--gpu-memory-utilization", "--max-num-seqs",
                   "--dtype", "--trust-remote-code", "--tokenizer"},
     },
+    "vllm-native": {
+        # `vllm-rs serve <model> --grpc-port N`: vLLM's Rust frontend
+        # (vllm.Inference, vllm.Control, tonic-health). The stock image ships
+        # the binary inside the vllm package, off PATH (NVIDIA Dynamo's vLLM
+        # sidecar README and deploy/agg.yaml, which run v0.26.0): a shell
+        # resolves it.
+        "repository": "vllm/vllm-openai",
+        "minimum": "0.26.0",
+        "broken": set(),
+        "program": ["/bin/sh", "-c"],
+        "script": ["vllm-rs", "serve"],
+        "needs": [["--grpc-port"]],
+        "refuses": [],
+        "flags": {"--host", "--port", "--grpc-port", "--served-model-name",
+                  "--tensor-parallel-size", "--max-model-len", "--gpu-memory-utilization"},
+    },
+    "sglang-native": {
+        # `--grpc-port N` starts the native server (sglang.runtime.v1.SglangService)
+        # beside HTTP, from v0.5.16 (NVIDIA Dynamo's SGLang sidecar README).
+        "repository": "lmsysorg/sglang",
+        "minimum": "0.5.16",
+        "broken": set(),
+        "program": ["python3", "-m", "sglang.launch_server"],
+        "needs": [["--grpc-port"]],
+        "refuses": [["--grpc-mode"]],
+        "flags": {"--model-path", "--host", "--port", "--grpc-port", "--served-model-name",
+                  "--tp-size", "--dp-size", "--context-length", "--mem-fraction-static",
+                  "--trust-remote-code", "--tokenizer-path"},
+    },
     "sglang": {
         # `--grpc-mode` serves sglang.grpc.scheduler.SglangScheduler (sglang PR
         # #11564); GetLoads from sglang PR #17087 (January 2026): v0.5.6 and
@@ -95,7 +124,7 @@ ENGINES = {
         "broken": set(),
         "program": ["python3", "-m", "sglang.launch_server"],
         "needs": [["--grpc-mode"]],
-        "refuses": [],
+        "refuses": [["--grpc-port"]],
         "flags": {"--model-path", "--host", "--port", "--grpc-mode", "--served-model-name",
                   "--tp-size", "--dp-size", "--context-length", "--mem-fraction-static",
                   "--trust-remote-code", "--tokenizer-path"},
@@ -207,6 +236,13 @@ def check_engine(where, kind, engine):
     program = spec["program"]
     if command[:len(program)] != program:
         findings.append(f"{where}: the engine runs {command[:len(program)]}, not {program}")
+    if spec.get("script"):
+        # A shell script: its words are what the checks below read.
+        script = " ".join(command[len(program):])
+        for word in spec["script"]:
+            if word not in script.split() and not re.search(rf"\b{re.escape(word)}\b", script):
+                findings.append(f"{where}: the engine's script does not run {word}")
+        command = program + script.split()
     for need in spec["needs"]:
         if not contains(command, need):
             findings.append(f"{where}: the engine command lacks {' '.join(need)}")
@@ -379,6 +415,10 @@ BREAKAGES = [
     ("sglang", "lmsysorg/sglang:v0.5.6, before GetLoads", _set_image("lmsysorg/sglang:v0.5.6")),
     ("sglang", "--grpc-mode dropped", _drop(["--grpc-mode"])),
     ("sglang", "an engine flag nobody knows", _add(["--frobnicate", "1"])),
+    ("sglang-native", "lmsysorg/sglang:v0.5.6, before --grpc-port", _set_image("lmsysorg/sglang:v0.5.6")),
+    ("sglang-native", "--grpc-port dropped", _drop(["--grpc-port", "50051"])),
+    ("vllm-native", "vllm/vllm-openai:v0.12.0, before vllm-rs", _set_image("vllm/vllm-openai:v0.12.0")),
+    ("vllm-native", "a script that does not run vllm-rs", lambda docs: engine_of(docs)["command"].__setitem__(2, "exec vllm serve /models/model --grpc")),
 ]
 
 

@@ -38,6 +38,12 @@ pub enum EngineKindArg {
     /// SGLang (sglang.grpc.scheduler.SglangScheduler); its health polled after
     /// its warm-up, GetLoads as fresh load, start_time as identity.
     Sglang,
+    /// vLLM's native server (vllm.Inference, vllm.Control); Watch on
+    /// vllm.Inference, GetServerInfo as fresh answer, its instance_id as identity.
+    VllmNative,
+    /// SGLang's native server (sglang.runtime.v1.SglangService); its health
+    /// polled, GetLoad as fresh load, its connection as identity.
+    SglangNative,
 }
 
 impl EngineKindArg {
@@ -50,14 +56,21 @@ impl EngineKindArg {
             EngineKindArg::Openengine => EngineChoice::Kind(EngineKind::OpenEngine),
             EngineKindArg::Vllm => EngineChoice::Kind(EngineKind::Vllm),
             EngineKindArg::Sglang => EngineChoice::Kind(EngineKind::Sglang),
+            EngineKindArg::VllmNative => EngineChoice::Kind(EngineKind::VllmNative),
+            EngineKindArg::SglangNative => EngineChoice::Kind(EngineKind::SglangNative),
         }
     }
 }
 
 /// A concrete engine kind's name (clap's value parser, for the mock and bench).
 pub fn engine_kind(s: &str) -> Result<llm_sidecar_io::engine::EngineKind, String> {
-    llm_sidecar_io::engine::EngineKind::from_name(s)
-        .ok_or_else(|| format!("{s:?} is not one of trtllm, openengine, vllm, sglang"))
+    llm_sidecar_io::engine::EngineKind::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = llm_sidecar_io::engine::PROFILES
+            .iter()
+            .map(|p| p.name)
+            .collect();
+        format!("{s:?} is not one of {}", names.join(", "))
+    })
 }
 
 /// Flag values like `300ms`, `5s`, `2m` (clap's value parser).

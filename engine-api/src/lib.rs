@@ -32,3 +32,15 @@ pub mod sglang {
     #![allow(missing_docs, clippy::all, clippy::pedantic)]
     tonic::include_proto!("sglang.grpc.scheduler");
 }
+
+/// vLLM's native gRPC server, `vllm.Inference` and `vllm.Control` (subset).
+pub mod vllm_native {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("vllm");
+}
+
+/// SGLang's native gRPC server, `sglang.runtime.v1.SglangService` (subset).
+pub mod sglang_runtime {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("sglang.runtime.v1");
+}

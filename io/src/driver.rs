@@ -420,7 +420,9 @@ impl Driver {
                 let info = &ready.info;
                 let profile = info.profile();
                 // From now on the request plane knows the API's own names.
-                let _ = self.plane.health_rpc_path.set(profile.health_rpc);
+                if let Some(rpc) = profile.health_rpc {
+                    let _ = self.plane.health_rpc_path.set(rpc);
+                }
                 self.own_health.name_engine_service(profile.service);
                 let event = Event::EngineReady {
                     identity: info.identity.clone(),

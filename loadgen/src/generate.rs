@@ -3,7 +3,7 @@
 
 use std::pin::Pin;
 
-use llm_sidecar_engine_api::{openengine, sglang, trtllm, vllm};
+use llm_sidecar_engine_api::{openengine, sglang, sglang_runtime, trtllm, vllm, vllm_native};
 use llm_sidecar_io::engine::EngineKind;
 use tokio_stream::{Stream, StreamExt};
 use tonic::Status;
@@ -143,6 +143,67 @@ pub async fn generate(
                     Some(Response::Chunk(c)) => Piece::Tokens(c.token_ids),
                     Some(Response::Complete(c)) => Piece::Done(c.output_ids),
                     None => Piece::Done(Vec::new()),
+                })
+            })))
+        }
+        EngineKind::VllmNative => {
+            let request = vllm_native::GenerateRequest {
+                request_id,
+                prompt: Some(vllm_native::generate_request::Prompt::TokenIds(
+                    vllm_native::TokenIds { ids: input },
+                )),
+                stopping: Some(vllm_native::StoppingCriteria {
+                    max_new_tokens: max_tokens,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let stream = vllm_native::inference_client::InferenceClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .generate_stream(request)
+                .await?
+                .into_inner();
+            Ok(Box::pin(stream.map(|m| {
+                m.map(|m| {
+                    let out = m.outputs.unwrap_or_default();
+                    if out.finish_info.is_some() {
+                        Piece::Done(out.token_ids)
+                    } else {
+                        Piece::Tokens(out.token_ids)
+                    }
+                })
+            })))
+        }
+        EngineKind::SglangNative => {
+            let request = sglang_runtime::GenerateRequest {
+                input_ids: input
+                    .into_iter()
+                    .map(|t| i32::try_from(t).unwrap_or(i32::MAX))
+                    .collect(),
+                sampling_params: Some(sglang_runtime::SamplingParams {
+                    max_new_tokens: Some(i32::try_from(max_tokens).unwrap_or(i32::MAX)),
+                    ..Default::default()
+                }),
+                stream: Some(true),
+                rid: Some(request_id),
+            };
+            let stream = sglang_runtime::sglang_service_client::SglangServiceClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .generate(request)
+                .await?
+                .into_inner();
+            Ok(Box::pin(stream.map(|m| {
+                m.map(|m| {
+                    let ids = m
+                        .output_ids
+                        .into_iter()
+                        .map(|t| u32::try_from(t).unwrap_or(0))
+                        .collect();
+                    if m.finished {
+                        Piece::Done(ids)
+                    } else {
+                        Piece::Tokens(ids)
+                    }
                 })
             })))
         }

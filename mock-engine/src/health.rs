@@ -48,7 +48,16 @@ impl tonic_health::pb::health_server::Health for Health {
     ) -> Result<Response<WatchStream>, Status> {
         let service = request.into_inner().service;
         let state = self.state.clone();
-        if state.config.watch_unknown_not_found && state.status_of(&service).is_none() {
+        // SGLang's native server answers Check only.
+        if state.config.kind == EngineKind::SglangNative {
+            return Err(Status::unimplemented("Watch is not supported; use Check"));
+        }
+        // vLLM's native server runs tonic-health, which fails a Watch on an
+        // unregistered name NOT_FOUND.
+        let tonic_health = state.config.kind == EngineKind::VllmNative;
+        if (state.config.watch_unknown_not_found || tonic_health)
+            && state.status_of(&service).is_none()
+        {
             return Err(Status::not_found(format!(
                 "service {service:?} not registered"
             )));
@@ -78,8 +87,8 @@ impl tonic_health::pb::health_server::Health for Health {
             // The smg servicers (vLLM, SGLang) answer one message and end the
             // stream; SGLang fails an unknown service NOT_FOUND after it.
             match state.config.kind {
-                EngineKind::Trtllm | EngineKind::OpenEngine => {}
-                EngineKind::Vllm => return,
+                EngineKind::Trtllm | EngineKind::OpenEngine | EngineKind::VllmNative => {}
+                EngineKind::Vllm | EngineKind::SglangNative => return,
                 EngineKind::Sglang => {
                     if last == ServingStatus::ServiceUnknown as i32 {
                         let _ = tx

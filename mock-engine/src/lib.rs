@@ -251,10 +251,16 @@ fn health_services(config: &MockConfig) -> Vec<&'static str> {
         (EngineKind::Trtllm | EngineKind::OpenEngine, HealthMode::LivenessUnregistered) => {
             vec!["", "inference"]
         }
-        (EngineKind::Vllm | EngineKind::Sglang, HealthMode::Full) => {
+        (EngineKind::Vllm | EngineKind::Sglang | EngineKind::SglangNative, HealthMode::Full) => {
             vec!["", liveness_service(config.kind)]
         }
-        (EngineKind::Vllm | EngineKind::Sglang, HealthMode::LivenessUnregistered) => vec![""],
+        (
+            EngineKind::Vllm | EngineKind::Sglang | EngineKind::SglangNative,
+            HealthMode::LivenessUnregistered,
+        ) => vec![""],
+        // vLLM's Rust frontend registers both of its services, and "".
+        (EngineKind::VllmNative, HealthMode::Full) => vec!["", "vllm.Inference", "vllm.Control"],
+        (EngineKind::VllmNative, HealthMode::LivenessUnregistered) => vec!["", "vllm.Control"],
     }
 }
 
@@ -402,6 +408,27 @@ pub async fn run(
             SglangSchedulerServer::new(kinds::sglang::Sglang {
                 state: state.clone(),
             })
+        }))
+        .add_optional_service(api(EngineKind::VllmNative).then(|| {
+            llm_sidecar_engine_api::vllm_native::inference_server::InferenceServer::new(
+                kinds::vllm_native::VllmNative {
+                    state: state.clone(),
+                },
+            )
+        }))
+        .add_optional_service(api(EngineKind::VllmNative).then(|| {
+            llm_sidecar_engine_api::vllm_native::control_server::ControlServer::new(
+                kinds::vllm_native::VllmNative {
+                    state: state.clone(),
+                },
+            )
+        }))
+        .add_optional_service(api(EngineKind::SglangNative).then(|| {
+            llm_sidecar_engine_api::sglang_runtime::sglang_service_server::SglangServiceServer::new(
+                kinds::sglang_native::SglangNative {
+                    state: state.clone(),
+                },
+            )
         }));
     if config.health != HealthMode::Absent {
         router = router.add_service(health::TrailerSwitch::new(

@@ -14,7 +14,7 @@ pub struct BenchArgs {
     /// Address to load (host:port): the sidecar's --listen, or the engine directly.
     #[arg(long, default_value = "127.0.0.1:50061")]
     pub target: String,
-    /// Which engine API the target speaks: trtllm, openengine, vllm or sglang
+    /// Which engine API the target speaks: trtllm, openengine, vllm, sglang, vllm-native or sglang-native
     /// (each kind's own Generate).
     #[arg(long, default_value = "trtllm", value_parser = engine_kind)]
     pub kind: llm_sidecar_io::engine::EngineKind,

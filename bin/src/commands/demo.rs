@@ -20,7 +20,7 @@ use crate::shared::engine_kind;
 /// Flags of `llm-sidecar demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Which engine the mock plays: trtllm, openengine, vllm or sglang. The
+    /// Which engine the mock plays: trtllm, openengine, vllm, sglang, vllm-native or sglang-native. The
     /// sidecar is not told: it finds out (--engine-kind auto).
     #[arg(long, default_value = "trtllm", value_parser = engine_kind)]
     pub engine_kind: EngineKind,

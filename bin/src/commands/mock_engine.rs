@@ -14,7 +14,9 @@ pub struct MockArgs {
     /// Which engine API to serve, with that engine's health behaviour:
     /// trtllm (trtllm.TrtllmService), openengine (openengine.v1.Inference and
     /// Control, TensorRT-LLM's OpenEngine server), vllm
-    /// (vllm.grpc.engine.VllmEngine), sglang (sglang.grpc.scheduler.SglangScheduler).
+    /// (vllm.grpc.engine.VllmEngine), sglang (sglang.grpc.scheduler.SglangScheduler),
+    /// vllm-native (vllm.Inference and vllm.Control, vLLM's Rust frontend),
+    /// sglang-native (sglang.runtime.v1.SglangService, SGLang's --grpc-port server).
     #[arg(long, default_value = "trtllm", value_parser = engine_kind)]
     pub kind: llm_sidecar_io::engine::EngineKind,
     /// The OpenEngine server's engine_name (TensorRT-LLM's is tensorrt_llm).

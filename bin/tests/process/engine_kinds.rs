@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use llm_sidecar_engine_api::{openengine, sglang, trtllm, vllm};
+use llm_sidecar_engine_api::{openengine, sglang, sglang_runtime, trtllm, vllm};
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -43,6 +43,16 @@ const SGLANG: Kind = Kind {
     flag: "sglang",
     engine: "SGLang",
     service: "sglang.grpc.scheduler.SglangScheduler",
+};
+const VLLM_NATIVE: Kind = Kind {
+    flag: "vllm-native",
+    engine: "vLLM",
+    service: "vllm.Inference",
+};
+const SGLANG_NATIVE: Kind = Kind {
+    flag: "sglang-native",
+    engine: "SGLang",
+    service: "sglang.runtime.v1.SglangService",
 };
 
 fn mock_args<'a>(kind: Kind, extra: &[&'a str]) -> Vec<&'a str> {
@@ -135,6 +145,10 @@ async fn health_rpc(kind: Kind, addr: std::net::SocketAddr) -> Result<(), tonic:
             .map(drop),
         "vllm" => vllm::vllm_engine_client::VllmEngineClient::new(ch)
             .health_check(vllm::HealthCheckRequest {})
+            .await
+            .map(drop),
+        "sglang-native" => sglang_runtime::sglang_service_client::SglangServiceClient::new(ch)
+            .health_check(sglang_runtime::HealthCheckRequest {})
             .await
             .map(drop),
         _ => sglang::sglang_scheduler_client::SglangSchedulerClient::new(ch)
@@ -277,8 +291,9 @@ fn an_engine_serving_none_of_the_apis_fails_start_up_saying_what_was_tried() {
         log.contains(
             "serves none of the engine APIs llm-sidecar follows (tried \
              /openengine.v1.Control/GetServerInfo, /trtllm.TrtllmService/GetModelInfo, \
-             /vllm.grpc.engine.VllmEngine/GetModelInfo, \
-             /sglang.grpc.scheduler.SglangScheduler/GetModelInfo: every one UNIMPLEMENTED)"
+             /vllm.Control/GetModelInfo, /vllm.grpc.engine.VllmEngine/GetModelInfo, \
+             /sglang.grpc.scheduler.SglangScheduler/GetModelInfo, \
+             /sglang.runtime.v1.SglangService/GetModelInfo: every one UNIMPLEMENTED)"
         ),
         "{log}"
     );
@@ -537,7 +552,7 @@ fn sigkill_is_a_loss(kind: Kind, reasons: &[&str]) {
     let dir = TempDir::new(&format!("kill-{}", kind.flag));
     let (mock, mut sidecar) = serving_kind(&dir, kind, &[], &[]);
     let instance = match kind.flag {
-        "openengine" => mock.stats()["instance_id"]
+        "openengine" | "vllm-native" => mock.stats()["instance_id"]
             .as_str()
             .expect("id")
             .to_string(),
@@ -595,10 +610,17 @@ fn sigterm_drains_a_call(kind: Kind) {
     );
     let runtime = rt();
     runtime.block_on(async {
-        assert_eq!(
-            health_rpc(kind, sidecar.listen).await.map_err(|s| s.code()),
-            Ok(())
-        );
+        // vLLM's native API has no health RPC of its own: its callers ask
+        // grpc.health.v1 for vllm.Inference, which the sidecar answers itself.
+        let own_health = kind.flag == "vllm-native";
+        if own_health {
+            assert_eq!(own_status(sidecar.listen, kind.service).await, 1);
+        } else {
+            assert_eq!(
+                health_rpc(kind, sidecar.listen).await.map_err(|s| s.code()),
+                Ok(())
+            );
+        }
         let listen = sidecar.listen;
         let long = tokio::spawn(async move { generate(kind, listen, "in-flight", 150).await });
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -606,14 +628,22 @@ fn sigterm_drains_a_call(kind: Kind) {
         wait_until(HANG, "the record to be withdrawn", || {
             sidecar.records().is_empty()
         });
-        let refused = health_rpc(kind, sidecar.listen)
-            .await
-            .expect_err("the health RPC while draining");
-        // "draining" is the sidecar's own answer: the engine never says it.
-        assert_eq!(
-            (refused.code(), refused.message()),
-            (Code::Unavailable, "draining")
-        );
+        if own_health {
+            assert_eq!(
+                own_status(sidecar.listen, kind.service).await,
+                2,
+                "NOT_SERVING from the first moment of the drain"
+            );
+        } else {
+            let refused = health_rpc(kind, sidecar.listen)
+                .await
+                .expect_err("the health RPC while draining");
+            // "draining" is the sidecar's own answer: the engine never says it.
+            assert_eq!(
+                (refused.code(), refused.message()),
+                (Code::Unavailable, "draining")
+            );
+        }
         assert_eq!(long.await.expect("join"), Ok(150), "every token delivered");
     });
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
@@ -642,8 +672,134 @@ fn sigterm_drains_an_sglang_call() {
 }
 
 #[test]
+fn sigterm_drains_a_vllm_native_call() {
+    sigterm_drains_a_call(VLLM_NATIVE);
+}
+
+#[test]
+fn sigterm_drains_an_sglang_native_call() {
+    sigterm_drains_a_call(SGLANG_NATIVE);
+}
+
+/// The sidecar's own grpc.health.v1 status for `service`, raw.
+async fn own_status(addr: std::net::SocketAddr, service: &str) -> i32 {
+    tonic_health::pb::health_client::HealthClient::new(channel(addr).await)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await
+        .expect("the sidecar's own health answers")
+        .into_inner()
+        .status
+}
+
+// ---- the native servers: vLLM's Rust frontend, SGLang's --grpc-port ---------
+
+#[test]
+fn auto_finds_vllm_native_and_registers_its_instance_id() {
+    let dir = TempDir::new("kind-vllm-native");
+    let (mock, mut sidecar) = serving_kind(
+        &dir,
+        VLLM_NATIVE,
+        &["--model-id", "acme/v-8b", "--engine-version", "0.33.0"],
+        &[],
+    );
+    let r = sidecar.record(&sidecar.records()[0]);
+    let instance = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    assert_eq!(r["engine"]["kind"], "vllm-native", "{r}");
+    assert_eq!(r["engine"]["identity"], instance.as_str(), "{r}");
+    assert_eq!(r["engine"]["version"], "0.33.0", "{r}");
+    assert_eq!(r["model"]["name"], "acme/v-8b", "{r}");
+    assert_eq!(r["model"]["max_seq_len"], 8192, "{r}");
+    // Its Watch streams (tonic-health): seconds of serving are no loss.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn auto_finds_sglang_native_and_reads_its_json_info() {
+    let dir = TempDir::new("kind-sglang-native");
+    let (_mock, mut sidecar) = serving_kind(
+        &dir,
+        SGLANG_NATIVE,
+        &["--model-id", "acme/s-8b", "--engine-version", "0.5.17"],
+        &[],
+    );
+    let r = sidecar.record(&sidecar.records()[0]);
+    assert_eq!(r["engine"]["kind"], "sglang-native", "{r}");
+    assert_eq!(r["engine"]["version"], "0.5.17", "{r}");
+    assert_eq!(r["model"]["name"], "acme/s-8b", "{r}");
+    assert_eq!(r["model"]["max_input_len"], 4096, "{r}");
+    assert_eq!(r["model"]["max_seq_len"], 8192, "{r}");
+    // Its Watch is UNIMPLEMENTED: Check is polled, which is no loss and no warning.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
+    assert_eq!(
+        sidecar.proc.count_lines(" WARN "),
+        0,
+        "{}",
+        sidecar.proc.log_text()
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+#[test]
+fn vllm_native_not_serving_is_a_loss_named_by_its_instance_id() {
+    let dir = TempDir::new("vllm-native-not-serving");
+    let (mock, mut sidecar) = serving_kind(&dir, VLLM_NATIVE, &[], &[]);
+    let instance = mock.stats()["instance_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    mock.control("/liveness?status=2");
+    assert_engine_lost(
+        &mut sidecar,
+        "vLLM",
+        &instance,
+        "liveness reported NOT_SERVING",
+    );
+}
+
+#[test]
+fn sglang_native_not_serving_is_a_polled_loss() {
+    let dir = TempDir::new("sglang-native-not-serving");
+    let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &[], &[]);
+    let id = sidecar.instance_id();
+    mock.control("/liveness?status=2");
+    assert_engine_lost(&mut sidecar, "SGLang", &id, "liveness reported NOT_SERVING");
+}
+
+#[test]
+fn sglang_native_get_load_stalling_is_a_stale_load_loss() {
+    let dir = TempDir::new("sglang-native-stale");
+    let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &[], &["--stale-after", "2s"]);
+    let id = sidecar.instance_id();
+    mock.control("/getload?mode=stall");
+    assert_engine_lost(&mut sidecar, "SGLang", &id, "routing load stale for 2");
+}
+
+#[test]
+fn sigkill_of_vllm_native_is_a_loss() {
+    sigkill_is_a_loss(VLLM_NATIVE, &["liveness stream failed"]);
+}
+
+#[test]
+fn sigkill_of_sglang_native_is_a_loss_by_its_connection() {
+    sigkill_is_a_loss(
+        SGLANG_NATIVE,
+        &["engine connection lost", "health check failed"],
+    );
+}
+
+#[test]
 fn a_first_start_facing_not_serving_writes_no_record_then_registers_on_serving() {
-    for kind in [TRTLLM, OPENENGINE, VLLM, SGLANG] {
+    for kind in [TRTLLM, OPENENGINE, VLLM, SGLANG, VLLM_NATIVE, SGLANG_NATIVE] {
         let dir = TempDir::new(&format!("first-not-serving-{}", kind.flag));
         let mock = Mock::start(&dir.0, free_addr(), &mock_args(kind, &[]));
         mock.control("/liveness?status=2");

@@ -109,3 +109,60 @@ fn etcd_liveness_flip_to_key_deletion_and_killed_record_lifetime() {
     }
     println!("SIGKILLed sidecar's record lived (lease TTL 10s, keepalive every ~3.3s): {lived:?}");
 }
+
+/// Per engine kind, from the moment the engine changes to the moment its
+/// record file is gone: liveness flipped NOT_SERVING (from the control
+/// request's answer: the status is set by then), and the engine SIGKILLed
+/// (from the kill). The table in docs/ENGINES.md comes from this run.
+#[test]
+#[ignore = "measurement; run with --ignored --nocapture"]
+fn per_kind_not_serving_and_sigkill_to_record_removal() {
+    const RUNS: usize = 20;
+    let kinds = [
+        "trtllm",
+        "openengine",
+        "vllm",
+        "sglang",
+        "vllm-native",
+        "sglang-native",
+    ];
+    for kind in kinds {
+        let mut flips = Vec::with_capacity(RUNS);
+        let mut kills = Vec::with_capacity(RUNS);
+        for run in 0..2 * RUNS {
+            let dir = TempDir::new("measure-kind");
+            let mock = Mock::start(&dir.0, free_addr(), &["--kind", kind]);
+            let mut sidecar = Sidecar::start(&dir.0, mock.grpc, &[]);
+            let record = sidecar.wait_for_record(HANG);
+            sidecar.proc.wait_for_line("registered; serving", HANG);
+            std::thread::sleep(Duration::from_millis(200));
+            let start = if run < RUNS {
+                mock.control("/liveness?status=2");
+                Instant::now()
+            } else {
+                let start = Instant::now();
+                mock.proc.signal("KILL");
+                start
+            };
+            while record.exists() {
+                assert!(start.elapsed() < HANG, "{kind}: record never removed");
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            if run < RUNS {
+                flips.push(start.elapsed());
+            } else {
+                kills.push(start.elapsed());
+            }
+            assert_eq!(sidecar.proc.wait_exit(HANG), 1, "{kind}");
+        }
+        flips.sort();
+        kills.sort();
+        println!(
+            "| `{kind}` | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+            percentile(&flips, 0.5).as_secs_f64() * 1e3,
+            flips[RUNS - 1].as_secs_f64() * 1e3,
+            percentile(&kills, 0.5).as_secs_f64() * 1e3,
+            kills[RUNS - 1].as_secs_f64() * 1e3,
+        );
+    }
+}

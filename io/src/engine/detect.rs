@@ -11,18 +11,19 @@ use std::time::Duration;
 use llm_sidecar_engine_api::openengine::control_client::ControlClient;
 use llm_sidecar_engine_api::sglang::sglang_scheduler_client::SglangSchedulerClient;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_engine_api::{openengine, sglang, trtllm, vllm};
+use llm_sidecar_engine_api::{openengine, sglang, sglang_runtime, trtllm, vllm, vllm_native};
 use tonic::transport::Channel;
 
 use super::{EngineError, EngineKind, PROFILES, bounded};
 
 /// The call that tells each kind apart, as an operator reads it in a log line.
-pub const DETECTION_CALLS: [(EngineKind, &str); 4] = [
+pub const DETECTION_CALLS: [(EngineKind, &str); 6] = [
     (
         EngineKind::OpenEngine,
         "/openengine.v1.Control/GetServerInfo",
     ),
     (EngineKind::Trtllm, "/trtllm.TrtllmService/GetModelInfo"),
+    (EngineKind::VllmNative, "/vllm.Control/GetModelInfo"),
     (
         EngineKind::Vllm,
         "/vllm.grpc.engine.VllmEngine/GetModelInfo",
@@ -30,6 +31,10 @@ pub const DETECTION_CALLS: [(EngineKind, &str); 4] = [
     (
         EngineKind::Sglang,
         "/sglang.grpc.scheduler.SglangScheduler/GetModelInfo",
+    ),
+    (
+        EngineKind::SglangNative,
+        "/sglang.runtime.v1.SglangService/GetModelInfo",
     ),
 ];
 
@@ -99,6 +104,22 @@ async fn answers(
         )
         .await
         .map(|_| ()),
+        EngineKind::VllmNative => bounded(
+            "GetModelInfo",
+            bound,
+            vllm_native::control_client::ControlClient::new(channel.clone())
+                .get_model_info(vllm_native::GetModelInfoRequest {}),
+        )
+        .await
+        .map(|_| ()),
+        EngineKind::SglangNative => bounded(
+            "GetModelInfo",
+            bound,
+            sglang_runtime::sglang_service_client::SglangServiceClient::new(channel.clone())
+                .get_model_info(sglang_runtime::GetModelInfoRequest {}),
+        )
+        .await
+        .map(|_| ()),
     };
     match result {
         Ok(()) => Ok(true),
@@ -130,10 +151,10 @@ pub(crate) async fn answers_now(
 /// Finds the kind the engine serves, each call bounded by `bound`.
 pub async fn detect(channel: &Channel, bound: Duration) -> Result<Detected, EngineError> {
     let calls = PROFILES.map(|p| answers(p.kind, channel, bound));
-    let [a, b, c, d] = calls;
-    let (a, b, c, d) = tokio::join!(a, b, c, d);
+    let [a, b, c, d, e, f] = calls;
+    let (a, b, c, d, e, f) = tokio::join!(a, b, c, d, e, f);
     let mut unknown = None;
-    for (profile, answer) in PROFILES.iter().zip([a, b, c, d]) {
+    for (profile, answer) in PROFILES.iter().zip([a, b, c, d, e, f]) {
         match answer {
             Ok(true) => return Ok(Detected::Kind(profile.kind)),
             Ok(false) => {}

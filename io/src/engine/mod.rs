@@ -5,7 +5,8 @@
 //! streams, or a Check polled because the kind's Watch ends after one message),
 //! whether start-up waits out a NOT_SERVING warm-up, and whether the engine's
 //! connection is its identity. The calls of each kind live in their own file
-//! (`trtllm.rs`, `openengine.rs`, `vllm.rs`, `sglang.rs`); detection tries
+//! (`trtllm.rs`, `openengine.rs`, `vllm.rs`, `sglang.rs`, `vllm_native.rs`,
+//! `sglang_native.rs`); detection tries
 //! them all (`detect.rs`). Adding an engine means a profile and its calls
 //! here; the core is untouched.
 
@@ -15,9 +16,11 @@ pub(crate) mod detect;
 pub(crate) mod monitors;
 mod openengine;
 mod sglang;
+mod sglang_native;
 pub(crate) mod startup;
 mod trtllm;
 mod vllm;
+mod vllm_native;
 
 use std::time::Duration;
 
@@ -40,6 +43,10 @@ pub enum EngineKind {
     Vllm,
     /// SGLang's `sglang.grpc.scheduler.SglangScheduler`.
     Sglang,
+    /// vLLM's native server (`vllm.Inference`, `vllm.Control`).
+    VllmNative,
+    /// SGLang's native server (`sglang.runtime.v1.SglangService`).
+    SglangNative,
 }
 
 /// Which kind to follow: given, or found at start-up.
@@ -74,7 +81,9 @@ pub struct EngineProfile {
     pub service: &'static str,
     /// The API's own health RPC, which gateways call to judge a worker; the
     /// sidecar answers it "draining" itself whenever it is not Serving.
-    pub health_rpc: &'static str,
+    /// `None`: the API has none (its callers ask grpc.health.v1, which the
+    /// sidecar answers itself).
+    pub health_rpc: Option<&'static str>,
     /// The grpc.health.v1 service followed for liveness.
     pub liveness_service: &'static str,
     /// How it is followed.
@@ -84,14 +93,16 @@ pub struct EngineProfile {
     pub connection_is_identity: bool,
 }
 
-/// Every profile, in the order auto-detection prefers them.
-pub const PROFILES: [EngineProfile; 4] = [
+/// Every profile, in the order auto-detection prefers them: a server that
+/// serves two APIs is followed through the one with the better identity
+/// (OpenEngine's and vLLM's native instance id).
+pub const PROFILES: [EngineProfile; 6] = [
     EngineProfile {
         kind: EngineKind::OpenEngine,
         name: "openengine",
         display_name: "TensorRT-LLM",
         service: "openengine.v1.Control",
-        health_rpc: "/openengine.v1.Control/Health",
+        health_rpc: Some("/openengine.v1.Control/Health"),
         liveness_service: "liveness",
         following: Following::Watch,
         connection_is_identity: false,
@@ -101,8 +112,20 @@ pub const PROFILES: [EngineProfile; 4] = [
         name: "trtllm",
         display_name: "TensorRT-LLM",
         service: "trtllm.TrtllmService",
-        health_rpc: "/trtllm.TrtllmService/HealthCheck",
+        health_rpc: Some("/trtllm.TrtllmService/HealthCheck"),
         liveness_service: "liveness",
+        following: Following::Watch,
+        connection_is_identity: false,
+    },
+    EngineProfile {
+        kind: EngineKind::VllmNative,
+        name: "vllm-native",
+        display_name: "vLLM",
+        service: "vllm.Inference",
+        health_rpc: None,
+        // tonic-health: Watch streams every change; the engine core's death
+        // turns "", vllm.Inference and vllm.Control NOT_SERVING at once.
+        liveness_service: "vllm.Inference",
         following: Following::Watch,
         connection_is_identity: false,
     },
@@ -111,7 +134,7 @@ pub const PROFILES: [EngineProfile; 4] = [
         name: "vllm",
         display_name: "vLLM",
         service: "vllm.grpc.engine.VllmEngine",
-        health_rpc: "/vllm.grpc.engine.VllmEngine/HealthCheck",
+        health_rpc: Some("/vllm.grpc.engine.VllmEngine/HealthCheck"),
         liveness_service: "vllm.grpc.engine.VllmEngine",
         following: Following::Poll,
         connection_is_identity: true,
@@ -121,8 +144,19 @@ pub const PROFILES: [EngineProfile; 4] = [
         name: "sglang",
         display_name: "SGLang",
         service: "sglang.grpc.scheduler.SglangScheduler",
-        health_rpc: "/sglang.grpc.scheduler.SglangScheduler/HealthCheck",
+        health_rpc: Some("/sglang.grpc.scheduler.SglangScheduler/HealthCheck"),
         liveness_service: "sglang.grpc.scheduler.SglangScheduler",
+        following: Following::Poll,
+        connection_is_identity: true,
+    },
+    EngineProfile {
+        kind: EngineKind::SglangNative,
+        name: "sglang-native",
+        display_name: "SGLang",
+        service: "sglang.runtime.v1.SglangService",
+        health_rpc: Some("/sglang.runtime.v1.SglangService/HealthCheck"),
+        // Its Watch is UNIMPLEMENTED ("use Check"): Check is polled.
+        liveness_service: "sglang.runtime.v1.SglangService",
         following: Following::Poll,
         connection_is_identity: true,
     },
@@ -138,7 +172,8 @@ impl EngineKind {
             .unwrap_or(&PROFILES[0])
     }
 
-    /// The kind a flag or record names (`trtllm`, `openengine`, `vllm`, `sglang`).
+    /// The kind a flag or record names (`trtllm`, `openengine`, `vllm`,
+    /// `sglang`, `vllm-native`, `sglang-native`).
     pub fn from_name(name: &str) -> Option<EngineKind> {
         PROFILES.iter().find(|p| p.name == name).map(|p| p.kind)
     }
@@ -347,6 +382,8 @@ pub async fn read_info(
         EngineKind::OpenEngine => openengine::read_info(channel, bound).await,
         EngineKind::Vllm => vllm::read_info(channel, bound).await,
         EngineKind::Sglang => sglang::read_info(channel, bound).await,
+        EngineKind::VllmNative => vllm_native::read_info(channel, bound).await,
+        EngineKind::SglangNative => sglang_native::read_info(channel, bound).await,
     }
 }
 
@@ -357,6 +394,8 @@ pub async fn probe(kind: EngineKind, channel: &Channel, bound: Duration) -> Prob
         EngineKind::OpenEngine => openengine::probe(channel, bound).await,
         EngineKind::Vllm => vllm::probe(channel, bound).await,
         EngineKind::Sglang => sglang::probe(channel, bound).await,
+        EngineKind::VllmNative => vllm_native::probe(channel, bound).await,
+        EngineKind::SglangNative => sglang_native::probe(channel, bound).await,
     }
 }
 

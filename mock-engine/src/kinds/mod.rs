@@ -4,4 +4,6 @@
 
 pub(crate) mod openengine;
 pub(crate) mod sglang;
+pub(crate) mod sglang_native;
 pub(crate) mod vllm;
+pub(crate) mod vllm_native;

@@ -1,0 +1,150 @@
+//! The fake SGLang native server (`sglang.runtime.v1.SglangService`, as SGLang's
+//! `--grpc-port` server serves it): info as JSON documents, `GetLoad`, and
+//! `HealthCheck`; no per-process identity.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use llm_sidecar_engine_api::sglang_runtime::sglang_service_server::SglangService;
+use llm_sidecar_engine_api::sglang_runtime::{
+    AbortRequest, AbortResponse, GenerateRequest, GenerateResponse, GetLoadRequest,
+    GetLoadResponse, GetModelInfoRequest, GetModelInfoResponse, GetServerInfoRequest,
+    GetServerInfoResponse, HealthCheckRequest, HealthCheckResponse,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::generate::{self, Ask};
+use crate::{State, lock};
+
+pub(crate) struct SglangNative {
+    pub(crate) state: Arc<State>,
+}
+
+/// SGLang's ids are `int32` on this API.
+fn ids(tokens: impl IntoIterator<Item = u32>) -> Vec<i32> {
+    tokens
+        .into_iter()
+        .map(|t| i32::try_from(t).unwrap_or(i32::MAX))
+        .collect()
+}
+
+#[tonic::async_trait]
+impl SglangService for SglangNative {
+    type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
+
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let request = request.into_inner();
+        let ask = Ask {
+            request_id: request.rid.unwrap_or_default(),
+            prompt: request
+                .input_ids
+                .into_iter()
+                .map(|t| u32::try_from(t).unwrap_or(0))
+                .collect(),
+            max_tokens: request
+                .sampling_params
+                .and_then(|p| p.max_new_tokens)
+                .and_then(|n| u32::try_from(n).ok())
+                .unwrap_or(16),
+            streaming: request.stream.unwrap_or(true),
+        };
+        generate::start(
+            self.state.clone(),
+            ask,
+            |t, i, prompt| GenerateResponse {
+                output_ids: ids([t]),
+                meta_info: [
+                    ("prompt_tokens".to_string(), prompt.to_string()),
+                    ("completion_tokens".to_string(), (i + 1).to_string()),
+                ]
+                .into(),
+                finished: false,
+            },
+            |_all, _prompt| GenerateResponse {
+                output_ids: Vec::new(),
+                meta_info: [(
+                    "finish_reason".to_string(),
+                    r#"{"type":"length"}"#.to_string(),
+                )]
+                .into(),
+                finished: true,
+            },
+        )
+    }
+
+    async fn health_check(
+        &self,
+        _: Request<HealthCheckRequest>,
+    ) -> Result<Response<HealthCheckResponse>, Status> {
+        self.state
+            .counters
+            .health_checks
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(Response::new(HealthCheckResponse {
+            healthy: self.state.engine_serving(),
+        }))
+    }
+
+    async fn get_model_info(
+        &self,
+        _: Request<GetModelInfoRequest>,
+    ) -> Result<Response<GetModelInfoResponse>, Status> {
+        let c = &self.state.config;
+        self.state
+            .counters
+            .info_calls
+            .fetch_add(1, Ordering::Relaxed);
+        let path = format!("/models/{}", c.model_id);
+        let json = serde_json::json!({
+            "model_path": path,
+            "tokenizer_path": path,
+            "is_generation": true,
+        });
+        Ok(Response::new(GetModelInfoResponse {
+            model_path: path,
+            json_info: json.to_string(),
+        }))
+    }
+
+    async fn get_server_info(
+        &self,
+        _: Request<GetServerInfoRequest>,
+    ) -> Result<Response<GetServerInfoResponse>, Status> {
+        let s = &self.state;
+        s.answer_server_info()?;
+        let json = serde_json::json!({
+            "version": *lock(&s.version),
+            "served_model_name": s.config.model_id,
+            "context_length": s.config.max_seq_len,
+            "max_req_input_len": s.config.max_input_len,
+        });
+        Ok(Response::new(GetServerInfoResponse {
+            json_info: json.to_string(),
+        }))
+    }
+
+    async fn get_load(
+        &self,
+        _: Request<GetLoadRequest>,
+    ) -> Result<Response<GetLoadResponse>, Status> {
+        let s = &self.state;
+        s.counters.load_calls.fetch_add(1, Ordering::Relaxed);
+        s.answer_load().await?;
+        Ok(Response::new(GetLoadResponse {
+            json_info: r#"{"num_running_reqs":0,"num_waiting_reqs":0}"#.to_string(),
+        }))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<AbortRequest>,
+    ) -> Result<Response<AbortResponse>, Status> {
+        self.state.counters.aborts.fetch_add(1, Ordering::Relaxed);
+        lock(&self.state.aborted_ids).push(request.into_inner().rid);
+        Ok(Response::new(AbortResponse { success: true }))
+    }
+}
