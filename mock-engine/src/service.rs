@@ -105,10 +105,7 @@ impl TrtllmService for Engine {
         &self,
         _request: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.count_info_call();
         let c = &self.state.config;
         Ok(Response::new(GetModelInfoResponse {
             model_id: c.model_id.clone(),

@@ -186,10 +186,7 @@ fn auto_finds_openengine_and_registers_its_instance_id_and_served_model() {
         &[],
     );
     let r = sidecar.record(&sidecar.records()[0]);
-    let instance = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let instance = mock.instance_id();
     let pid = mock.proc.pid();
     assert!(
         instance.contains(&format!("-{pid}-")),
@@ -311,10 +308,7 @@ fn an_engine_serving_none_of_the_apis_fails_start_up_saying_what_was_tried() {
 fn openengine_not_serving_is_a_loss_named_by_its_engine_name_and_instance_id() {
     let dir = TempDir::new("oe-notserving");
     let (mock, mut sidecar) = serving_kind(&dir, OPENENGINE, &["--engine-name", "acme_llm"], &[]);
-    let instance = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let instance = mock.instance_id();
     // `inference` is never followed.
     mock.control("/liveness?service=inference&status=2");
     std::thread::sleep(Duration::from_millis(500));
@@ -335,10 +329,7 @@ fn openengine_not_serving_is_a_loss_named_by_its_engine_name_and_instance_id() {
 fn openengine_get_load_failing_unavailable_is_a_stale_load_loss() {
     let dir = TempDir::new("oe-stale");
     let (mock, mut sidecar) = serving_kind(&dir, OPENENGINE, &[], &["--stale-after", "2s"]);
-    let instance = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let instance = mock.instance_id();
     mock.control("/getload?mode=unavailable");
     assert_engine_lost(
         &mut sidecar,
@@ -353,10 +344,7 @@ fn openengine_without_health_warns_once_then_a_stalled_get_load_is_still_a_loss(
     let dir = TempDir::new("oe-nohealth");
     let (mock, mut sidecar) =
         serving_kind(&dir, OPENENGINE, &["--no-health"], &["--stale-after", "2s"]);
-    let instance = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let instance = mock.instance_id();
     sidecar
         .proc
         .wait_for_line("does not serve grpc.health.v1", HANG);
@@ -392,10 +380,7 @@ fn openengine_restarted_on_the_same_port_is_a_loss_by_its_new_instance_id() {
     sidecar
         .proc
         .wait_for_line("does not serve grpc.health.v1", HANG);
-    let old = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let old = mock.instance_id();
     let grpc = mock.grpc;
     mock.proc.signal("KILL");
     mock.proc.wait_exit_or_signal(HANG);
@@ -552,10 +537,7 @@ fn sigkill_is_a_loss(kind: Kind, reasons: &[&str]) {
     let dir = TempDir::new(&format!("kill-{}", kind.flag));
     let (mock, mut sidecar) = serving_kind(&dir, kind, &[], &[]);
     let instance = match kind.flag {
-        "openengine" | "vllm-native" => mock.stats()["instance_id"]
-            .as_str()
-            .expect("id")
-            .to_string(),
+        "openengine" | "vllm-native" => mock.instance_id(),
         _ => sidecar.instance_id(),
     };
     mock.proc.signal("KILL");
@@ -705,10 +687,7 @@ fn auto_finds_vllm_native_and_registers_its_instance_id() {
         &[],
     );
     let r = sidecar.record(&sidecar.records()[0]);
-    let instance = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let instance = mock.instance_id();
     assert_eq!(r["engine"]["kind"], "vllm-native", "{r}");
     assert_eq!(r["engine"]["identity"], instance.as_str(), "{r}");
     assert_eq!(r["engine"]["version"], "0.33.0", "{r}");
@@ -753,10 +732,7 @@ fn auto_finds_sglang_native_and_reads_its_json_info() {
 fn vllm_native_not_serving_is_a_loss_named_by_its_instance_id() {
     let dir = TempDir::new("vllm-native-not-serving");
     let (mock, mut sidecar) = serving_kind(&dir, VLLM_NATIVE, &[], &[]);
-    let instance = mock.stats()["instance_id"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let instance = mock.instance_id();
     mock.control("/liveness?status=2");
     assert_engine_lost(
         &mut sidecar,

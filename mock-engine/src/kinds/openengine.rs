@@ -107,10 +107,7 @@ impl Control for OpenEngine {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         let c = &self.state.config;
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.count_info_call();
         Ok(Response::new(ModelInfo {
             model_id: c.model_id.clone(),
             served_model_name: c.model_id.clone(),
@@ -215,10 +212,15 @@ impl State {
         }
     }
 
+    /// Counts an info call (GetServerInfo, GetModelInfo) for `/stats`.
+    pub(crate) fn count_info_call(&self) {
+        self.counters.info_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// GetServerInfo, for a server older than it: UNIMPLEMENTED as grpcio
     /// answers a method the servicer lacks.
     pub(crate) fn answer_server_info(&self) -> Result<(), Status> {
-        self.counters.info_calls.fetch_add(1, Ordering::Relaxed);
+        self.count_info_call();
         if self.config.server_info_unimplemented {
             Err(Status::unimplemented("Method not found!"))
         } else {

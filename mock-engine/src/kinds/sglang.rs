@@ -97,10 +97,7 @@ impl SglangScheduler for Sglang {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
         let c = &self.state.config;
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.count_info_call();
         Ok(Response::new(GetModelInfoResponse {
             model_path: format!("/models/{}", c.model_id),
             tokenizer_path: format!("/models/{}", c.model_id),

@@ -94,10 +94,7 @@ impl SglangService for SglangNative {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
         let c = &self.state.config;
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.count_info_call();
         let path = format!("/models/{}", c.model_id);
         let json = serde_json::json!({
             "model_path": path,

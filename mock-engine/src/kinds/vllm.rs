@@ -100,10 +100,7 @@ impl VllmEngine for Vllm {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
         let c = &self.state.config;
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.count_info_call();
         Ok(Response::new(GetModelInfoResponse {
             model_path: format!("/models/{}", c.model_id),
             is_generation: true,

@@ -104,10 +104,7 @@ impl Control for VllmNative {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         let c = &self.state.config;
-        self.state
-            .counters
-            .info_calls
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.count_info_call();
         Ok(Response::new(ModelInfo {
             model_id: format!("/models/{}", c.model_id),
             served_model_name: c.model_id.clone(),

@@ -139,6 +139,15 @@ impl Mock {
         body
     }
 
+    /// The engine process's own instance id (OpenEngine's and vLLM's native
+    /// servers name themselves with it), as the mock reports it.
+    pub fn instance_id(&self) -> String {
+        self.stats()["instance_id"]
+            .as_str()
+            .expect("the mock reports its instance id")
+            .to_string()
+    }
+
     pub fn stats(&self) -> serde_json::Value {
         serde_json::from_str(&self.control("/stats")).expect("stats are JSON")
     }
