@@ -611,3 +611,86 @@ fn the_record_is_never_written_through_a_link_placed_in_the_registry() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Attack 9 of hardening round three: a request that is not a gRPC call
+/// (`:method CONNECT`, which carries no `:path`; a GET; a POST to a path that
+/// names no method) is answered INVALID_ARGUMENT, which no caller retries
+/// elsewhere, counted as the caller's (`malformed`), never as the engine's
+/// (`engine_unreachable` stays 0), and never reaches the engine.
+#[test]
+fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine() {
+    let dir = TempDir::new("malformed");
+    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let before = mock.stats()["generate_started"].as_u64();
+    rt().block_on(async {
+        let tcp = tokio::net::TcpStream::connect(sidecar.listen)
+            .await
+            .expect("connect");
+        let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        tokio::spawn(connection);
+        let requests = [
+            http::Request::builder()
+                .method("CONNECT")
+                .uri(format!("{}", sidecar.listen))
+                .body(())
+                .expect("a CONNECT"),
+            http::Request::builder()
+                .method("GET")
+                .uri(format!(
+                    "http://{}/trtllm.TrtllmService/Generate",
+                    sidecar.listen
+                ))
+                .body(())
+                .expect("a GET"),
+            http::Request::builder()
+                .method("POST")
+                .uri(format!("http://{}/", sidecar.listen))
+                .header("content-type", "application/grpc")
+                .body(())
+                .expect("a POST to /"),
+        ];
+        for request in requests {
+            let what = format!("{} {}", request.method(), request.uri());
+            let mut client = client.clone().ready().await.expect("ready");
+            let (response, _body) = client.send_request(request, true).expect("send");
+            let response = response.await.expect("response headers");
+            assert_eq!(response.headers()["grpc-status"], "3", "{what}");
+            let message = response.headers()["grpc-message"]
+                .to_str()
+                .expect("ascii")
+                .replace("%20", " ");
+            assert!(message.starts_with("not a gRPC call"), "{what}: {message}");
+        }
+        // The sidecar serves on.
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", sidecar.listen))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let mut stream = TrtllmServiceClient::new(channel)
+            .generate(generate("after-malformed", 4))
+            .await
+            .expect("a gRPC call after them")
+            .into_inner();
+        let mut n = 0;
+        while stream.message().await.expect("tokens").is_some() {
+            n += 1;
+        }
+        assert_eq!(n, 5, "4 tokens and the final message");
+    });
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"malformed\"}"),
+        Some(3.0)
+    );
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_unreachable\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        mock.stats()["generate_started"].as_u64(),
+        before.map(|n| n + 1),
+        "the engine saw only the one gRPC call"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -88,6 +88,18 @@ pub(crate) fn call(
     mut respond: SendResponse<Bytes>,
     open: OpenCall,
 ) -> Call {
+    if let Some(why) = malformed(&request) {
+        return Box::pin(async move {
+            let _open = open;
+            plane.counters.record(CallOutcome::Malformed);
+            refuse(&plane, request.into_body()).await;
+            send_status(
+                &mut respond,
+                Code::InvalidArgument,
+                &format!("not a gRPC call: {why}"),
+            );
+        });
+    }
     let path = request.uri().path();
     if path.starts_with("/grpc.health.v1.Health/") {
         return Box::pin(async move {
@@ -118,6 +130,26 @@ pub(crate) fn call(
         phase: Phase::Answering(Box::pin(answer(plane, request, respond, guard))),
         _open: open,
     })
+}
+
+/// Why a request is not a gRPC call, if it is not: gRPC is a POST to
+/// `/<service>/<method>`. Anything else (a CONNECT, which carries no path at
+/// all; a GET) is the caller's mistake, answered with a code it must not
+/// retry elsewhere and never sent on to the engine, where it would fail as
+/// if the engine were unreachable.
+fn malformed<B>(request: &http::Request<B>) -> Option<String> {
+    if request.method() != http::Method::POST {
+        return Some(format!(
+            ":method {} (gRPC calls are POST)",
+            request.method()
+        ));
+    }
+    let path = request.uri().path();
+    let named = path
+        .strip_prefix('/')
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(service, method)| !service.is_empty() && !method.is_empty());
+    (!named).then(|| format!(":path {path:?} names no /<service>/<method>"))
 }
 
 /// A forwarded call, as its connection runs it.

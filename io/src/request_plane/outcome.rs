@@ -29,11 +29,14 @@ pub enum CallOutcome {
     EngineUnreachable,
     /// The engine connection broke mid-call: UNAVAILABLE, retryable elsewhere.
     EngineFailed,
+    /// Not a gRPC call (a method other than POST, a path that names no
+    /// method): INVALID_ARGUMENT, never forwarded, the caller's doing.
+    Malformed,
 }
 
 impl CallOutcome {
     /// Every outcome, in the order the metrics and the exit account list them.
-    pub(crate) const ALL: [CallOutcome; 9] = [
+    pub(crate) const ALL: [CallOutcome; 10] = [
         CallOutcome::Ok,
         CallOutcome::EngineStatus,
         CallOutcome::Refused,
@@ -43,6 +46,7 @@ impl CallOutcome {
         CallOutcome::TooLarge,
         CallOutcome::EngineUnreachable,
         CallOutcome::EngineFailed,
+        CallOutcome::Malformed,
     ];
 
     /// The metric label and the key in the exit account.
@@ -57,6 +61,7 @@ impl CallOutcome {
             CallOutcome::TooLarge => "too_large",
             CallOutcome::EngineUnreachable => "engine_unreachable",
             CallOutcome::EngineFailed => "engine_failed",
+            CallOutcome::Malformed => "malformed",
         }
     }
 
