@@ -694,3 +694,81 @@ fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Attack 8 of hardening round three: idle connections, re-opened as soon as
+/// they are closed, from many addresses on the pod network, against the admin
+/// port the kubelet probes. Every probe of `/live` is still answered: one
+/// peer holds at most 8 connections, and a full port closes its oldest
+/// connection to take a new one.
+#[test]
+fn an_admin_port_filled_with_idle_connections_still_answers_every_probe() {
+    let dir = TempDir::new("admin-fill");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let admin = sidecar.admin;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let opened = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let attacker = {
+        let stop = stop.clone();
+        let opened = opened.clone();
+        std::thread::spawn(move || {
+            rt().block_on(async move {
+                let mut slots = Vec::new();
+                // 10 addresses × 8 connections: more than the port's 64.
+                for n in 2..12u8 {
+                    for _ in 0..8 {
+                        let stop = stop.clone();
+                        let opened = opened.clone();
+                        slots.push(tokio::spawn(async move {
+                            use tokio::io::AsyncReadExt;
+                            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+                                if socket
+                                    .bind(std::net::SocketAddr::from(([127, 0, 0, n], 0)))
+                                    .is_err()
+                                {
+                                    return;
+                                }
+                                let Ok(mut stream) = socket.connect(admin).await else {
+                                    tokio::time::sleep(Duration::from_millis(5)).await;
+                                    continue;
+                                };
+                                opened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                // Idle until the sidecar closes it, then again.
+                                let mut byte = [0u8; 1];
+                                let _ = tokio::time::timeout(
+                                    Duration::from_secs(10),
+                                    stream.read(&mut byte),
+                                )
+                                .await;
+                            }
+                        }));
+                    }
+                }
+                for slot in slots {
+                    let _ = slot.await;
+                }
+            });
+        })
+    };
+    wait_until(HANG, "the attack to fill the admin port", || {
+        opened.load(std::sync::atomic::Ordering::Relaxed) >= 80
+    });
+    let mut failed = 0;
+    for _ in 0..20 {
+        match http_get(admin, "/live") {
+            Some((200, _)) => {}
+            _ => failed += 1,
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reopened = opened.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        failed, 0,
+        "probes of /live that failed, of 20 ({reopened} attack connections)"
+    );
+    assert!(sidecar.proc.running());
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    let _ = attacker.join();
+}

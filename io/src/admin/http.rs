@@ -3,8 +3,8 @@
 //! cheap; anything slow belongs in a task they signal.
 
 use std::convert::Infallible;
+use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -129,27 +129,94 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// nobody can hold the admin port open for ever.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 
-/// Connections served at once; more are closed at once. The admin port is for
-/// a few probes and a scraper.
+/// Connections served at once. The admin port is for a few probes and a
+/// scraper; a newcomer past this closes the oldest connection rather than
+/// being turned away (see [`Connections`]).
 const MAX_CONNECTIONS: usize = 64;
+
+/// Connections one peer address may hold at once; more from it are closed at
+/// once. A kubelet probes one request at a time, a scraper keeps one or two.
+const PER_PEER: usize = 8;
+
+/// The connections being served, oldest first, and how many each peer holds.
+///
+/// Room for a probe, always: one peer cannot hold more than [`PER_PEER`], so
+/// filling the port takes many addresses; and when it is full, a new
+/// connection closes the oldest one instead of being refused. A flood of idle
+/// connections then cycles through the slots, while a probe's connection,
+/// the newest, is answered in the milliseconds before it would be the oldest.
+#[derive(Default)]
+struct Connections {
+    next_id: u64,
+    open: std::collections::BTreeMap<u64, (IpAddr, CancellationToken)>,
+    per_peer: std::collections::HashMap<IpAddr, usize>,
+}
+
+impl Connections {
+    /// Takes in a connection from `peer`: its id and the token that closes it,
+    /// or `None` when the peer already holds its share.
+    fn admit(
+        &mut self,
+        peer: IpAddr,
+        cancel: &CancellationToken,
+    ) -> Option<(u64, CancellationToken)> {
+        let held = self.per_peer.entry(peer).or_default();
+        if *held >= PER_PEER {
+            return None;
+        }
+        *held += 1;
+        if self.open.len() >= MAX_CONNECTIONS
+            && let Some((_, (oldest_peer, close))) = self.open.pop_first()
+        {
+            close.cancel();
+            self.leave(oldest_peer);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let close = cancel.child_token();
+        self.open.insert(id, (peer, close.clone()));
+        Some((id, close))
+    }
+
+    /// A connection ended (or was closed to make room: then already gone).
+    fn end(&mut self, id: u64) {
+        if let Some((peer, _)) = self.open.remove(&id) {
+            self.leave(peer);
+        }
+    }
+
+    fn leave(&mut self, peer: IpAddr) {
+        if let Some(held) = self.per_peer.get_mut(&peer) {
+            *held -= 1;
+            if *held == 0 {
+                self.per_peer.remove(&peer);
+            }
+        }
+    }
+}
+
+/// The books, even after a panic elsewhere left them as they were (usable).
+fn lock(c: &std::sync::Mutex<Connections>) -> std::sync::MutexGuard<'_, Connections> {
+    c.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Serves `handler` on `listener` until `cancel` fires.
 pub async fn serve(listener: TcpListener, handler: Handler, cancel: CancellationToken) {
-    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let connections = Arc::new(std::sync::Mutex::new(Connections::default()));
     loop {
         let accepted = tokio::select! {
             () = cancel.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
-        let Ok((stream, _)) = accepted else { continue };
-        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            open.fetch_sub(1, Ordering::AcqRel);
+        let Ok((stream, peer)) = accepted else {
+            continue;
+        };
+        let Some((id, close)) = lock(&connections).admit(peer.ip(), &cancel) else {
             drop(stream);
             continue;
-        }
+        };
         let handler = handler.clone();
-        let cancel = cancel.clone();
-        let open = open.clone();
+        let connections = connections.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
@@ -174,10 +241,10 @@ pub async fn serve(listener: TcpListener, handler: Handler, cancel: Cancellation
                 .max_buf_size(16 * 1024)
                 .serve_connection(TokioIo::new(stream), service);
             tokio::select! {
-                () = cancel.cancelled() => {}
+                () = close.cancelled() => {}
                 _ = tokio::time::timeout(CONNECTION_LIFETIME, conn) => {}
             }
-            open.fetch_sub(1, Ordering::AcqRel);
+            lock(&connections).end(id);
         });
     }
 }
@@ -185,6 +252,40 @@ pub async fn serve(listener: TcpListener, handler: Handler, cancel: Cancellation
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_port_closes_its_oldest_connection_and_a_peer_holds_at_most_its_share() {
+        let root = CancellationToken::new();
+        let mut books = Connections::default();
+        let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
+        let mut first = None;
+        for n in 0..MAX_CONNECTIONS {
+            let admitted = books.admit(ip((n / PER_PEER) as u8 + 1), &root);
+            assert!(admitted.is_some(), "connection {n}");
+            first = first.or(admitted);
+        }
+        let (first_id, first_close) = first.expect("the first");
+        assert!(
+            books.admit(ip(1), &root).is_none(),
+            "127.0.0.1 holds its share"
+        );
+        assert!(!first_close.is_cancelled());
+        let newcomer = books.admit(ip(200), &root).expect("room is made");
+        assert!(first_close.is_cancelled(), "the oldest was closed for it");
+        assert_eq!(books.open.len(), MAX_CONNECTIONS);
+        books.end(first_id);
+        assert_eq!(
+            books.open.len(),
+            MAX_CONNECTIONS,
+            "its end was already booked"
+        );
+        assert!(
+            books.admit(ip(1), &root).is_some(),
+            "127.0.0.1 has room again"
+        );
+        books.end(newcomer.0);
+        assert_eq!(books.per_peer.get(&ip(200)), None);
+    }
 
     #[test]
     fn queries_decode() {
