@@ -772,3 +772,101 @@ fn an_admin_port_filled_with_idle_connections_still_answers_every_probe() {
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
     let _ = attacker.join();
 }
+
+/// Opens `n` `grpc.health.v1.Health/Watch` streams on one new connection to
+/// `target` and never sends their request messages (half-open): the answers'
+/// futures, in order.
+async fn half_open_watches(target: SocketAddr, n: usize) -> Vec<h2::client::ResponseFuture> {
+    let tcp = tokio::net::TcpStream::connect(target)
+        .await
+        .expect("connect");
+    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(connection);
+    let mut answers = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut client = client.clone().ready().await.expect("ready");
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://{target}/grpc.health.v1.Health/Watch"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .expect("request");
+        let (answer, body) = client.send_request(request, false).expect("send");
+        // The request's body stream is kept open, and never written.
+        std::mem::forget(body);
+        answers.push(answer);
+    }
+    answers
+}
+
+/// Attack 5 of hardening round three: half-open own-health Watch streams
+/// (HEADERS, then nothing), many per connection, on several connections.
+/// Each connection holds at most 16; the rest are refused RESOURCE_EXHAUSTED
+/// at once and counted; the held ones are answered DEADLINE_EXCEEDED once
+/// their request has not come for 5 s; a router's Check on another
+/// connection is answered SERVING throughout.
+#[test]
+fn half_open_own_health_watches_are_capped_per_connection_and_time_out() {
+    let dir = TempDir::new("own-health-flood");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let target = sidecar.listen;
+    let admin = sidecar.admin;
+    rt().block_on(async move {
+        let mut all = Vec::new();
+        for _ in 0..4 {
+            all.extend(half_open_watches(target, 40).await);
+        }
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let open = tokio::task::spawn_blocking(move || {
+            let (_, body) = http_get(admin, "/metrics").expect("metrics");
+            body.lines()
+                .find(|l| l.starts_with("llm_sidecar_own_health_streams "))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        })
+        .await
+        .expect("join");
+        assert_eq!(open, Some(64.0), "16 on each of the 4 connections");
+        // A router's Check on a connection of its own is answered at once.
+        let channel = tonic::transport::Channel::from_shared(format!("http://{target}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let status = tonic_health::pb::health_client::HealthClient::new(channel)
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .expect("a Check beside the flood")
+            .into_inner()
+            .status;
+        assert_eq!(status, 1, "SERVING");
+        let mut codes = std::collections::BTreeMap::<String, usize>::new();
+        for answer in all {
+            let code = match tokio::time::timeout(Duration::from_secs(15), answer).await {
+                Ok(Ok(response)) => response
+                    .headers()
+                    .get("grpc-status")
+                    .map_or("none".to_string(), |v| {
+                        v.to_str().unwrap_or("?").to_string()
+                    }),
+                Ok(Err(e)) => format!("error {e}"),
+                Err(_) => "no answer in 15 s".to_string(),
+            };
+            *codes.entry(code).or_default() += 1;
+        }
+        assert_eq!(
+            codes,
+            [("4".to_string(), 64), ("8".to_string(), 96)].into(),
+            "64 held then DEADLINE_EXCEEDED, 96 RESOURCE_EXHAUSTED"
+        );
+    });
+    assert_eq!(
+        sidecar.metric("llm_sidecar_own_health_streams_refused_total"),
+        Some(96.0)
+    );
+    assert_eq!(sidecar.metric("llm_sidecar_own_health_streams "), Some(0.0));
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

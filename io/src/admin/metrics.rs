@@ -56,6 +56,7 @@ pub(crate) struct Snapshot {
     liveness_status: i64,
     probe_age: f64,
     stale_load_rule: i64,
+    own_health: (u64, u64),
     discovery_write_failures: u64,
     loss_to_withdraw: f64,
     in_flight: u64,
@@ -90,6 +91,10 @@ impl Snapshot {
                 .filter(|_| !status.load_unsupported)
                 .map_or(-1.0, |t| t.elapsed().as_secs_f64()),
             stale_load_rule: i64::from(!status.load_unsupported),
+            own_health: (
+                calls.own_health_open.load(Relaxed),
+                calls.own_health_refused.load(Relaxed),
+            ),
             discovery_write_failures: status.discovery_write_failures,
             loss_to_withdraw: status.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64()),
             in_flight,
@@ -210,6 +215,20 @@ impl Snapshot {
             "llm_sidecar_calls_admitted",
             "Calls let through admission and forwarded.",
             ConstCounter::new(self.admitted),
+        )?;
+        one(
+            e,
+            "llm_sidecar_own_health_streams",
+            "Streams of the sidecar's own grpc.health.v1 open now (at most 16 per caller \
+             connection, 1024 in all).",
+            ConstGauge::new(self.own_health.0),
+        )?;
+        one(
+            e,
+            "llm_sidecar_own_health_streams_refused",
+            "Own grpc.health.v1 streams refused RESOURCE_EXHAUSTED: their connection or the \
+             sidecar held its most.",
+            ConstCounter::new(self.own_health.1),
         )?;
         let outcomes = CallOutcome::ALL.map(CallOutcome::label);
         labelled(

@@ -39,6 +39,19 @@ use super::outcome::CallOutcome;
 /// How long a refused call's request may take to arrive before it is answered.
 const REFUSED_BODY_WAIT: Duration = Duration::from_millis(250);
 
+/// Own-health streams one caller connection may hold: a router watches a
+/// worker with one, a load balancer's checks come one at a time.
+const OWN_HEALTH_PER_CONNECTION: usize = 16;
+
+/// Own-health streams the sidecar holds at once, every connection together:
+/// a few kilobytes each, so a few megabytes at most.
+const OWN_HEALTH_STREAMS: u64 = 1024;
+
+/// How long an own-health call's request message may take to arrive: a
+/// stream opened and never sent its request (half-open) is answered then,
+/// rather than held for ever.
+const OWN_HEALTH_REQUEST_WAIT: Duration = Duration::from_secs(5);
+
 /// The status message of a call cut at the drain deadline.
 const CUT_MESSAGE: &str = "drain deadline reached; retry on another worker";
 
@@ -103,8 +116,22 @@ pub(crate) fn call(
     let path = request.uri().path();
     if path.starts_with("/grpc.health.v1.Health/") {
         return Box::pin(async move {
+            let Some(slot) = OwnHealthStream::take(&plane, &open) else {
+                plane
+                    .counters
+                    .own_health_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                refuse(&plane, request.into_body()).await;
+                send_status(
+                    &mut respond,
+                    Code::ResourceExhausted,
+                    "too many grpc.health.v1 streams open",
+                );
+                return;
+            };
             let _open = open;
             own_health(&plane, request, respond).await;
+            drop(slot);
         });
     }
     let admitted =
@@ -185,16 +212,59 @@ impl Future for Forwarded {
     }
 }
 
-/// The sidecar's own health service, answered here.
+/// One own-health stream, counted on its connection and in the sidecar's
+/// total while it is open.
+struct OwnHealthStream<'a> {
+    plane: &'a Plane,
+    _slot: super::frame_watch::OwnHealthSlot,
+}
+
+impl<'a> OwnHealthStream<'a> {
+    /// A place for one more own-health stream, if its connection and the
+    /// sidecar have room.
+    fn take(plane: &'a Plane, open: &OpenCall) -> Option<Self> {
+        let slot = open.own_health_slot(OWN_HEALTH_PER_CONNECTION)?;
+        let total = &plane.counters.own_health_open;
+        if total.fetch_add(1, Ordering::AcqRel) >= OWN_HEALTH_STREAMS {
+            total.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(OwnHealthStream { plane, _slot: slot })
+    }
+}
+
+impl Drop for OwnHealthStream<'_> {
+    fn drop(&mut self) {
+        self.plane
+            .counters
+            .own_health_open
+            .fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The sidecar's own health service, answered here. A request that does not
+/// arrive within [`OWN_HEALTH_REQUEST_WAIT`] is answered DEADLINE_EXCEEDED.
 async fn own_health(
     plane: &Plane,
     request: http::Request<RecvStream>,
-    respond: SendResponse<Bytes>,
+    mut respond: SendResponse<Bytes>,
 ) {
     let mut health = plane.health.clone();
-    let response = match health.call(request.map(RequestBody::new)).await {
-        Ok(response) => response,
-        Err(never) => match never {},
+    let answered = tokio::time::timeout(
+        OWN_HEALTH_REQUEST_WAIT,
+        health.call(request.map(RequestBody::new)),
+    )
+    .await;
+    let response = match answered {
+        Ok(Ok(response)) => response,
+        Ok(Err(never)) => match never {},
+        Err(_) => {
+            let message = format!(
+                "the health request did not arrive within {}",
+                llm_sidecar_core::HumanDuration(OWN_HEALTH_REQUEST_WAIT)
+            );
+            return send_status(&mut respond, Code::DeadlineExceeded, &message);
+        }
     };
     send_body(respond, response).await;
 }

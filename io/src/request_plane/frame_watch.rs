@@ -33,6 +33,8 @@ pub(crate) struct Watched {
     active: AtomicUsize,
     /// When the connection last went without a call, in ms since `born`.
     idle_since_ms: AtomicU64,
+    /// Streams of the sidecar's own health service open on the connection.
+    own_health: AtomicUsize,
 }
 
 impl Watched {
@@ -42,6 +44,7 @@ impl Watched {
             handshake_done: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(0),
+            own_health: AtomicUsize::new(0),
         })
     }
 
@@ -68,6 +71,28 @@ impl Watched {
 
 /// One call open on a connection, for the connection's idle clock.
 pub(crate) struct OpenCall(Arc<Watched>);
+
+impl OpenCall {
+    /// A place for this call among the connection's own-health streams, if
+    /// fewer than `cap` are open; held until the guard is dropped.
+    pub(crate) fn own_health_slot(&self, cap: usize) -> Option<OwnHealthSlot> {
+        let open = &self.0.own_health;
+        if open.fetch_add(1, Ordering::AcqRel) >= cap {
+            open.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(OwnHealthSlot(self.0.clone()))
+    }
+}
+
+/// One own-health stream's place on its connection.
+pub(crate) struct OwnHealthSlot(Arc<Watched>);
+
+impl Drop for OwnHealthSlot {
+    fn drop(&mut self) {
+        self.0.own_health.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 impl Drop for OpenCall {
     fn drop(&mut self) {

@@ -97,6 +97,10 @@ pub(crate) struct CallCounters {
     ended: [AtomicU64; CallOutcome::ALL.len()],
     pub(crate) bytes_to_engine: AtomicU64,
     pub(crate) bytes_to_caller: AtomicU64,
+    /// Streams of the sidecar's own health service open now.
+    pub(crate) own_health_open: AtomicU64,
+    /// Own-health streams refused: a connection or the sidecar had its most.
+    pub(crate) own_health_refused: AtomicU64,
     /// Admitted calls' time from admission to their end, indexed like
     /// [`CallOutcome::ALL`]: one histogram per outcome, made at start, so a
     /// call's end touches no map.
@@ -113,6 +117,8 @@ impl Default for CallCounters {
             ended: Default::default(),
             bytes_to_engine: AtomicU64::default(),
             bytes_to_caller: AtomicU64::default(),
+            own_health_open: AtomicU64::default(),
+            own_health_refused: AtomicU64::default(),
             duration: std::array::from_fn(|_| Histogram::new(CALL_SECONDS)),
             first_message: std::array::from_fn(|_| Histogram::new(FIRST_MESSAGE_SECONDS)),
         }
