@@ -870,3 +870,95 @@ fn half_open_own_health_watches_are_capped_per_connection_and_time_out() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// An HPACK block for a gRPC POST to `path` (static-table references and
+/// literals without indexing: no dynamic table to keep in step).
+fn grpc_headers_block(authority: &str, path: &str) -> Vec<u8> {
+    let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
+    for (prefix, value) in [
+        (&[0x04u8][..], path),                   // :path
+        (&[0x01u8][..], authority),              // :authority
+        (&[0x0f, 0x10][..], "application/grpc"), // content-type (index 31)
+    ] {
+        block.extend_from_slice(prefix);
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block.extend_from_slice(&[0x00, 2]);
+    block.extend_from_slice(b"te");
+    block.push(8);
+    block.extend_from_slice(b"trailers");
+    block
+}
+
+/// Attack 7 of hardening round three: on one connection, 1,200 calls each
+/// starting a message whose length prefix is over the limit and sending on
+/// after it. Each is answered RESOURCE_EXHAUSTED; what the caller sends after
+/// the answer is read and dropped, so none of it makes h2 reset a stream on
+/// its own account, and the connection is never sent GOAWAY (h2 sends
+/// ENHANCE_YOUR_CALM past 1,024 such resets): a gateway multiplexing many
+/// users on one connection is not cut by one of them.
+#[test]
+fn calls_ended_early_for_an_oversized_message_do_not_get_their_connection_cut() {
+    let dir = TempDir::new("early-ends");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let mut raw = raw_h2::RawH2::connect(sidecar.listen);
+    raw.handshake();
+    let block = grpc_headers_block(
+        &sidecar.listen.to_string(),
+        "/trtllm.TrtllmService/Generate",
+    );
+    // A length prefix of 2 GiB, then bytes of that message, then more.
+    let mut start = vec![0u8, 0x7f, 0xff, 0xff, 0xff];
+    start.extend_from_slice(&[7u8; 16]);
+    let more = [9u8; 16];
+    const CALLS: u32 = 1_200;
+    const WAVE: u32 = 40;
+    let mut answered = 0u32;
+    let mut goaway = None;
+    let mut next_stream = 1u32;
+    for _ in 0..CALLS / WAVE {
+        let mut out = Vec::new();
+        let first = next_stream;
+        for _ in 0..WAVE {
+            out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, next_stream, &block));
+            out.extend(raw_h2::frame(raw_h2::DATA, 0, next_stream, &start));
+            out.extend(raw_h2::frame(raw_h2::DATA, 0, next_stream, &more));
+            next_stream += 2;
+        }
+        raw.send(&out).expect("send a wave");
+        // Each call's answer (HEADERS); then, on the streams still open,
+        // more of the request, sent after the answer as a client that does
+        // not stop at once would.
+        let mut seen = 0;
+        while seen < WAVE {
+            let frame = raw.read_frame().expect("the sidecar answers");
+            match frame.kind {
+                raw_h2::HEADERS if frame.stream >= first => seen += 1,
+                raw_h2::GOAWAY => {
+                    goaway = frame.goaway_code();
+                    break;
+                }
+                _ => {}
+            }
+        }
+        if goaway.is_some() {
+            break;
+        }
+        answered += seen;
+        let mut after = Vec::new();
+        for s in (first..next_stream).step_by(2) {
+            after.extend(raw_h2::frame(raw_h2::DATA, 0, s, &more));
+            after.extend(raw_h2::frame(raw_h2::DATA, raw_h2::END_STREAM, s, &more));
+        }
+        raw.send(&after).expect("send the rest");
+    }
+    assert_eq!(goaway, None, "GOAWAY after {answered} early-ended calls");
+    assert_eq!(answered, CALLS);
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"too_large\"}"),
+        Some(f64::from(CALLS))
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

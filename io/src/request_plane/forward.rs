@@ -39,6 +39,10 @@ use super::outcome::CallOutcome;
 /// How long a refused call's request may take to arrive before it is answered.
 const REFUSED_BODY_WAIT: Duration = Duration::from_millis(250);
 
+/// How long the rest of an early-ended call's request is read and dropped
+/// before its stream is let go (see [`linger`]).
+const LINGER: Duration = Duration::from_secs(2);
+
 /// Own-health streams one caller connection may hold: a router watches a
 /// worker with one, a load balancer's checks come one at a time.
 const OWN_HEALTH_PER_CONNECTION: usize = 16;
@@ -377,7 +381,7 @@ async fn engine_answer(
     let (parts, body) = request.into_parts();
     let end_of_stream = body.is_end_stream();
     let request = http::Request::from_parts(parts, ());
-    let (mut answer, engine_stream) = {
+    let opened = {
         let mut send = pin!(lease.send(request, end_of_stream));
         poll_fn(|cx| {
             if let Some(ending) = ends.poll(cx) {
@@ -390,10 +394,19 @@ async fn engine_answer(
             }
             respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
         })
-        .await?
+        .await
+    };
+    let (mut answer, engine_stream) = match opened {
+        Ok(opened) => opened,
+        Err(why) => {
+            if !end_of_stream {
+                linger(plane, body);
+            }
+            return Err(why);
+        }
     };
     let mut pump = (!end_of_stream).then(|| RequestPump {
-        inner: body,
+        inner: Some(body),
         engine: engine_stream,
         held: None,
         limiter: MessageLimiter::new(plane.limits.max_message_bytes),
@@ -552,7 +565,8 @@ fn poll_window(caller: &mut SendStream<Bytes>, cx: &mut Context<'_>) -> Poll<Res
 /// and sent once the engine stream has window for it, so a caller can never
 /// make the sidecar hold more than one frame of its request.
 struct RequestPump {
-    inner: RecvStream,
+    /// The caller's request; `None` only once dropped (see `Drop`).
+    inner: Option<RecvStream>,
     engine: SendStream<Bytes>,
     /// A DATA frame read and waiting for window, and whether it ends the request.
     held: Option<(Bytes, bool)>,
@@ -605,6 +619,9 @@ fn drive_request(
 
 impl RequestPump {
     fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<PumpEnd> {
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(PumpEnd::Sent);
+        };
         loop {
             if let Some((data, end_of_stream)) = self.held.take() {
                 if !data.is_empty() {
@@ -629,9 +646,9 @@ impl RequestPump {
                 }
                 continue;
             }
-            match ready!(self.inner.poll_data(cx)) {
+            match ready!(inner.poll_data(cx)) {
                 Some(Ok(data)) => {
-                    let _ = self.inner.flow_control().release_capacity(data.len());
+                    let _ = inner.flow_control().release_capacity(data.len());
                     self.bytes += data.len() as u64;
                     if self.limiter.feed(&data).is_err() {
                         self.engine.send_reset(h2::Reason::CANCEL);
@@ -642,7 +659,7 @@ impl RequestPump {
                         // raises it to what is buffered when it is sent.
                         self.engine.reserve_capacity(1);
                     }
-                    self.held = Some((data, self.inner.is_end_stream()));
+                    self.held = Some((data, inner.is_end_stream()));
                 }
                 Some(Err(_)) => {
                     self.engine.send_reset(h2::Reason::CANCEL);
@@ -650,7 +667,7 @@ impl RequestPump {
                 }
                 // The request's DATA is over: trailers, or its end.
                 None => {
-                    let sent = match ready!(self.inner.poll_trailers(cx)) {
+                    let sent = match ready!(inner.poll_trailers(cx)) {
                         Ok(Some(trailers)) => send_trailers(&mut self.engine, trailers),
                         Ok(None) => self.engine.send_data(Bytes::new(), true),
                         Err(_) => {
@@ -674,7 +691,43 @@ impl Drop for RequestPump {
             .counters
             .bytes_to_engine
             .fetch_add(self.bytes, Ordering::Relaxed);
+        if let Some(body) = self.inner.take()
+            && !body.is_end_stream()
+        {
+            linger(&self.plane, body);
+        }
     }
+}
+
+/// Reads and drops the rest of a request whose call has ended (answered
+/// early: a message over the limit, the engine's status before the request
+/// was over, a deadline), until the caller ends it, for a short while.
+///
+/// Dropping the caller's stream while it still sends makes h2 reset it, and
+/// the caller's frames already on their way then count against h2's budget
+/// of such resets: past 1,024 on one connection, h2 sends GOAWAY
+/// ENHANCE_YOUR_CALM, and every other call of that caller dies with it (a
+/// gateway multiplexing its users on one connection would be cut by one).
+/// A request that goes on past [`LINGER`] or the message limit is dropped
+/// then (reset).
+fn linger(plane: &Plane, mut body: RecvStream) {
+    let limit = u64::from(plane.limits.max_message_bytes) + PREFIX_LEN as u64;
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let drain = async {
+            let mut read: u64 = 0;
+            while let Some(Ok(data)) = poll_fn(|cx| body.poll_data(cx)).await {
+                let _ = body.flow_control().release_capacity(data.len());
+                read += data.len() as u64;
+                if read > limit {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER, drain).await;
+    });
 }
 
 /// The engine's answer on its way to the caller, once its headers went out,
