@@ -962,3 +962,39 @@ fn calls_ended_early_for_an_oversized_message_do_not_get_their_connection_cut() 
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Attack 2 of hardening round three: with no engine connection open yet,
+/// thousands of calls each reset by the caller right after its HEADERS.
+/// Opening an engine connection is not the reset call's: the first call
+/// starts it, the calls after it wait for the same one, and a reset leaves it
+/// opening. The engine accepts a handful of connections, not one per call.
+#[test]
+fn reset_calls_do_not_open_an_engine_connection_each() {
+    let dir = TempDir::new("reset-connections");
+    let (mock, mut sidecar) = serving(&dir.0, &["--load-delay", "0ms"], &[]);
+    let before = mock.stats()["connections"].as_u64().expect("connections");
+    let mut raw = raw_h2::RawH2::connect(sidecar.listen);
+    raw.handshake();
+    let block = grpc_headers_block(
+        &sidecar.listen.to_string(),
+        "/trtllm.TrtllmService/Generate",
+    );
+    const CALLS: u32 = 3_000;
+    let cancel = 8u32.to_be_bytes(); // RST_STREAM CANCEL
+    let mut out = Vec::new();
+    for n in 0..CALLS {
+        let stream = 1 + 2 * n;
+        out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
+        out.extend(raw_h2::frame(0x3, 0, stream, &cancel));
+    }
+    raw.send(&out).expect("send HEADERS and RST_STREAM pairs");
+    std::thread::sleep(Duration::from_secs(2));
+    let after = mock.stats()["connections"].as_u64().expect("connections");
+    assert!(
+        after - before <= 4,
+        "the engine accepted {} connections for {CALLS} reset calls",
+        after - before
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

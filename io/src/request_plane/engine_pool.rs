@@ -72,10 +72,29 @@ struct Open {
 struct Pooled {
     /// The open connection; `None` before the first call and after it closed.
     sender: Mutex<Option<Open>>,
-    /// Held while the connection is being opened: the first of many calls
-    /// opens it, the others wait for it.
-    opening: tokio::sync::Mutex<()>,
+    /// Whether the connection is being opened, or why the last attempt failed.
+    opening: Mutex<Opening>,
+    /// Woken when an attempt to open the connection is over.
+    opened: tokio::sync::Notify,
     open: AtomicU32,
+}
+
+/// The state of opening a pooled connection.
+///
+/// Opening runs in a task of its own, not in the call that asked first: a
+/// call the caller resets must not take the half-made connection with it
+/// (thousands of HEADERS+RST_STREAM pairs made the engine accept a connection
+/// each), and the calls that came meanwhile wait for the same attempt.
+#[derive(Default)]
+enum Opening {
+    /// Nothing under way: the next call without a connection starts it.
+    #[default]
+    Idle,
+    /// An attempt is under way; its end wakes `opened`.
+    Underway,
+    /// The last attempt failed, with this reason, for the calls that waited
+    /// on it; the next call starts another.
+    Failed(String),
 }
 
 impl Pooled {
@@ -134,21 +153,40 @@ impl Lease {
     }
 
     /// The connection's sender and its closed flag, opened if it is not (or
-    /// no longer) open.
+    /// no longer) open: by a task of its own, which this call (and any other
+    /// that comes meanwhile) waits for, and which goes on if they go away.
     async fn sender(&self) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), SendError> {
-        if let Some(handles) = self.pooled.current() {
-            return Ok(handles);
+        // This call has waited for an attempt: if that one failed, so does
+        // the call (a fresh call starts another).
+        let mut waited = false;
+        loop {
+            if let Some(handles) = self.pooled.current() {
+                return Ok(handles);
+            }
+            let woken = self.pooled.opened.notified();
+            let mut woken = std::pin::pin!(woken);
+            woken.as_mut().enable();
+            {
+                let mut opening = self
+                    .pooled
+                    .opening
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                match &*opening {
+                    Opening::Underway => {}
+                    Opening::Failed(why) if waited => return Err(why.clone().into()),
+                    Opening::Idle | Opening::Failed(_) => {
+                        if self.pooled.current().is_some() {
+                            continue;
+                        }
+                        *opening = Opening::Underway;
+                        tokio::spawn(open_pooled(self.pooled.clone(), self.target.clone()));
+                    }
+                }
+            }
+            woken.await;
+            waited = true;
         }
-        let _opening = self.pooled.opening.lock().await;
-        if let Some(handles) = self.pooled.current() {
-            return Ok(handles);
-        }
-        // Boxed: opening a connection is rare and its future large; every
-        // call carries this function's future until its request is sent.
-        let open = Box::pin(connect(&self.target)).await?;
-        let handles = (open.sender.clone(), open.closed.clone());
-        *self.pooled.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(open);
-        Ok(handles)
     }
 }
 
@@ -156,6 +194,21 @@ impl Drop for Lease {
     fn drop(&mut self) {
         self.pooled.open.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// Opens `pooled`'s connection and says how it went to every call waiting.
+async fn open_pooled(pooled: Arc<Pooled>, target: Arc<Target>) {
+    let attempt = connect(&target).await;
+    let mut opening = pooled.opening.lock().unwrap_or_else(|p| p.into_inner());
+    match attempt {
+        Ok(open) => {
+            *pooled.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(open);
+            *opening = Opening::Idle;
+        }
+        Err(e) => *opening = Opening::Failed(crate::report::error_chain(e.as_ref())),
+    }
+    drop(opening);
+    pooled.opened.notify_waiters();
 }
 
 /// Opens one HTTP/2 connection to the engine, bounded by the connect
