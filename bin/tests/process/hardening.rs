@@ -998,3 +998,110 @@ fn reset_calls_do_not_open_an_engine_connection_each() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Attack 1 of hardening round three: rapid reset through the sidecar. While a
+/// victim streams a long generation, four other connections send bursts of
+/// HEADERS + DATA + RST_STREAM for 2 s. The sidecar must not pass the burst
+/// on to the engine's connection (whose own rapid-reset guard would GOAWAY it
+/// and kill the victim's call with it): the attacker is cut, the victim's
+/// call completes with every token.
+#[test]
+fn rapid_reset_through_the_sidecar_kills_no_other_callers_call() {
+    rapid_reset_beside_a_victim(false);
+}
+
+/// The same with each RST_STREAM sent a moment after its HEADERS, so that
+/// the sidecar has opened the engine stream by then and the engine accepted
+/// it: resetting accepted streams is no rapid reset to the engine, and no
+/// other caller's call is hurt. (A per-address reset budget that cut such a
+/// caller was tried and made it worse: closing the caller's connection
+/// reset hundreds of its just-opened engine streams at once, and the engine
+/// sent GOAWAY for that.)
+#[test]
+fn rapid_reset_sent_after_the_headers_kills_no_other_callers_call() {
+    rapid_reset_beside_a_victim(true);
+}
+
+fn rapid_reset_beside_a_victim(resets_apart: bool) {
+    let dir = TempDir::new("rapid-reset");
+    let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "10ms"], &[]);
+    let listen = sidecar.listen;
+    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let message = generate("rapid", 4).encode_to_vec();
+    let mut data = vec![0u8];
+    data.extend((message.len() as u32).to_be_bytes());
+    data.extend(&message);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let victim = std::thread::spawn(move || {
+        rt().block_on(async move {
+            let channel = tonic::transport::Channel::from_shared(format!("http://{listen}"))
+                .expect("uri")
+                .connect()
+                .await
+                .expect("connect");
+            let mut stream = TrtllmServiceClient::new(channel)
+                .generate(generate("victim", 300))
+                .await?
+                .into_inner();
+            let mut n = 0;
+            while stream.message().await?.is_some() {
+                n += 1;
+            }
+            Ok::<_, tonic::Status>(n)
+        })
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let attackers: Vec<_> = (0..4)
+        .map(|_| {
+            let (block, data, stop, sent) =
+                (block.clone(), data.clone(), stop.clone(), sent.clone());
+            std::thread::spawn(move || {
+                let mut raw = raw_h2::RawH2::connect(listen);
+                raw.handshake();
+                let cancel = 8u32.to_be_bytes();
+                let mut stream = 1u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && stream < 2_000_000 {
+                    let mut out = Vec::new();
+                    let mut resets = Vec::new();
+                    for _ in 0..50 {
+                        out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
+                        out.extend(raw_h2::frame(raw_h2::DATA, 0, stream, &data));
+                        let reset = raw_h2::frame(0x3, 0, stream, &cancel);
+                        if resets_apart {
+                            resets.extend(reset);
+                        } else {
+                            out.extend(reset);
+                        }
+                        stream += 2;
+                    }
+                    if raw.send(&out).is_err() {
+                        return;
+                    }
+                    if resets_apart {
+                        std::thread::sleep(Duration::from_millis(2));
+                        if raw.send(&resets).is_err() {
+                            return;
+                        }
+                    }
+                    sent.fetch_add(50, std::sync::atomic::Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for a in attackers {
+        let _ = a.join();
+    }
+    let resets = sent.load(std::sync::atomic::Ordering::Relaxed);
+    let outcome = victim.join().expect("victim thread");
+    assert_eq!(
+        outcome.map_err(|s| (s.code(), s.message().to_string())),
+        Ok(301),
+        "the victim's 300 tokens and final message, beside {resets} rapid resets"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -105,6 +105,16 @@ pub(crate) fn call(
     mut respond: SendResponse<Bytes>,
     open: OpenCall,
 ) -> Call {
+    if reset_already(&mut respond) {
+        // The caller's RST_STREAM came with its HEADERS (a rapid reset): an
+        // engine stream opened now would only be reset again on the shared
+        // engine connection, where a burst of such resets makes the engine
+        // GOAWAY it, every caller's calls with it.
+        plane.counters.record(CallOutcome::CancelledByCaller);
+        return Box::pin(async move {
+            let _open = open;
+        });
+    }
     if let Some(why) = malformed(&request) {
         return Box::pin(async move {
             let _open = open;
@@ -161,6 +171,13 @@ pub(crate) fn call(
         phase: Phase::Answering(Box::pin(answer(plane, request, respond, guard))),
         _open: open,
     })
+}
+
+/// The caller reset the stream before its call began: h2 read the
+/// RST_STREAM in the same turn as the HEADERS.
+fn reset_already(respond: &mut SendResponse<Bytes>) -> bool {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    respond.poll_reset(&mut cx).is_ready()
 }
 
 /// Why a request is not a gRPC call, if it is not: gRPC is a POST to
