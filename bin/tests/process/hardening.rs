@@ -1105,3 +1105,93 @@ fn rapid_reset_beside_a_victim(resets_apart: bool) {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Attack 6 of hardening round three: half-open calls (HEADERS, then no body
+/// for ever) on two connections, as many as the sidecar lets each take, with
+/// the engine's stream limit such that they would hold every engine stream.
+/// An engine stream opens only once a request has begun: another caller's
+/// call is answered at once, and the half-open calls are answered
+/// DEADLINE_EXCEEDED after 10 s.
+#[test]
+fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
+    let dir = TempDir::new("half-open-calls");
+    let (mock, mut sidecar) = serving(&dir.0, &["--max-concurrent-streams", "20"], &[]);
+    let target = sidecar.listen;
+    // As many as the sidecar lets one connection hold: half of the 80
+    // streams the engine takes through 4 connections.
+    let half = 40;
+    let outcome = rt().block_on(async move {
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let tcp = tokio::net::TcpStream::connect(target)
+                .await
+                .expect("connect");
+            let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+            tokio::spawn(connection);
+            for _ in 0..half {
+                let Ok(client) =
+                    tokio::time::timeout(Duration::from_millis(500), client.clone().ready()).await
+                else {
+                    break;
+                };
+                let Ok(mut client) = client else { break };
+                let request = http::Request::builder()
+                    .method("POST")
+                    .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .body(())
+                    .expect("request");
+                let (answer, body) = client.send_request(request, false).expect("send");
+                held.push((answer, body));
+            }
+        }
+        assert!(
+            held.len() >= half,
+            "the half-open calls were taken: {}",
+            held.len()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Another caller, beside them.
+        let channel = tonic::transport::Channel::from_shared(format!("http://{target}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let victim = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut stream = TrtllmServiceClient::new(channel)
+                .generate(generate("beside-half-open", 8))
+                .await?
+                .into_inner();
+            let mut n = 0;
+            while stream.message().await?.is_some() {
+                n += 1;
+            }
+            Ok::<_, tonic::Status>(n)
+        })
+        .await;
+        if !matches!(victim, Ok(Ok(9))) {
+            return Err(format!(
+                "the other caller's call beside {} half-open calls: {victim:?}",
+                held.len()
+            ));
+        }
+        let (first, _body) = held.swap_remove(0);
+        let answer = tokio::time::timeout(Duration::from_secs(15), first)
+            .await
+            .expect("answered within the start wait")
+            .expect("response headers");
+        assert_eq!(answer.headers()["grpc-status"], "4", "DEADLINE_EXCEEDED");
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}\n{}", sidecar.proc.log_text());
+    }
+    assert_eq!(
+        mock.stats()["generate_started"].as_u64(),
+        Some(1),
+        "the engine saw only the well-behaved call"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -39,6 +39,11 @@ use super::outcome::CallOutcome;
 /// How long a refused call's request may take to arrive before it is answered.
 const REFUSED_BODY_WAIT: Duration = Duration::from_millis(250);
 
+/// How long a forwarded call's request may take to begin (its first DATA
+/// after its HEADERS): a half-open call is answered then, and never holds an
+/// engine stream meanwhile.
+const REQUEST_START_WAIT: Duration = Duration::from_secs(10);
+
 /// How long the rest of an early-ended call's request is read and dropped
 /// before its stream is let go (see [`linger`]).
 const LINGER: Duration = Duration::from_secs(2);
@@ -319,6 +324,8 @@ enum Unanswered {
     Engine(String),
     /// The caller's request could not go on to the engine.
     Request(RequestFailed),
+    /// The request's first DATA did not come within [`REQUEST_START_WAIT`].
+    NotStarted,
     /// The cut or the caller's deadline came first.
     Ended(Ending),
     /// The caller reset its stream: nobody to answer.
@@ -395,9 +402,32 @@ async fn engine_answer(
     ends: &mut Endings,
     respond: &mut SendResponse<Bytes>,
 ) -> Result<(http::Response<RecvStream>, Option<RequestPump>), Unanswered> {
-    let (parts, body) = request.into_parts();
+    let (parts, mut body) = request.into_parts();
     let end_of_stream = body.is_end_stream();
     let request = http::Request::from_parts(parts, ());
+    let mut limiter = MessageLimiter::new(plane.limits.max_message_bytes);
+    // The engine stream opens once the request has begun (its first DATA,
+    // or its end): a caller that sends HEADERS and nothing more holds no
+    // engine stream, and is answered after REQUEST_START_WAIT.
+    let first = if end_of_stream {
+        None
+    } else {
+        match request_start(&mut body, ends, respond).await {
+            Ok(first) => first,
+            Err(why) => {
+                linger(plane, body);
+                return Err(why);
+            }
+        }
+    };
+    let mut bytes = 0;
+    if let Some(data) = &first {
+        bytes = data.len() as u64;
+        if limiter.feed(data).is_err() {
+            linger(plane, body);
+            return Err(Unanswered::Request(RequestFailed::TooLarge));
+        }
+    }
     let opened = {
         let mut send = pin!(lease.send(request, end_of_stream));
         poll_fn(|cx| {
@@ -413,7 +443,7 @@ async fn engine_answer(
         })
         .await
     };
-    let (mut answer, engine_stream) = match opened {
+    let (mut answer, mut engine_stream) = match opened {
         Ok(opened) => opened,
         Err(why) => {
             if !end_of_stream {
@@ -422,13 +452,20 @@ async fn engine_answer(
             return Err(why);
         }
     };
-    let mut pump = (!end_of_stream).then(|| RequestPump {
-        inner: Some(body),
-        engine: engine_stream,
-        held: None,
-        limiter: MessageLimiter::new(plane.limits.max_message_bytes),
-        plane: plane.clone(),
-        bytes: 0,
+    let mut pump = (!end_of_stream).then(|| {
+        let ended = body.is_end_stream();
+        if first.as_ref().is_some_and(|data| !data.is_empty()) {
+            // A claim on the window for it, as the pump makes for every frame.
+            engine_stream.reserve_capacity(1);
+        }
+        RequestPump {
+            held: first.map(|data| (data, ended)),
+            inner: Some(body),
+            engine: engine_stream,
+            limiter,
+            plane: plane.clone(),
+            bytes,
+        }
     });
     // The request goes out while the answer's headers are awaited.
     let head = poll_fn(|cx| {
@@ -472,6 +509,14 @@ fn unanswered(
             CallOutcome::CancelledByCaller,
             Code::Cancelled,
             CALLER_GONE_MESSAGE.to_string(),
+        ),
+        Unanswered::NotStarted => (
+            CallOutcome::DeadlineExceeded,
+            Code::DeadlineExceeded,
+            format!(
+                "the request's first message did not arrive within {}",
+                llm_sidecar_core::HumanDuration(REQUEST_START_WAIT)
+            ),
         ),
         Unanswered::Engine(text) => (
             CallOutcome::EngineUnreachable,
@@ -611,6 +656,42 @@ enum RequestFailed {
     TooLarge,
     /// The caller's request failed (a reset).
     CallerGone,
+}
+
+/// Waits for the request to begin: its first DATA (returned, its window
+/// given back), or its end without any (`None`), for at most
+/// [`REQUEST_START_WAIT`]. A well-behaved caller sends its HEADERS and first
+/// DATA together, so this is ready at its first poll.
+async fn request_start(
+    body: &mut RecvStream,
+    ends: &mut Endings,
+    respond: &mut SendResponse<Bytes>,
+) -> Result<Option<Bytes>, Unanswered> {
+    // Made only when the first DATA is not there at once: no clock read
+    // for a well-behaved caller.
+    let mut wait: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    poll_fn(|cx| {
+        if let Some(ending) = ends.poll(cx) {
+            return Poll::Ready(Err(Unanswered::Ended(ending)));
+        }
+        match body.poll_data(cx) {
+            Poll::Ready(Some(Ok(data))) => {
+                let _ = body.flow_control().release_capacity(data.len());
+                return Poll::Ready(Ok(Some(data)));
+            }
+            Poll::Ready(Some(Err(_))) => {
+                return Poll::Ready(Err(Unanswered::Request(RequestFailed::CallerGone)));
+            }
+            Poll::Ready(None) => return Poll::Ready(Ok(None)),
+            Poll::Pending => {}
+        }
+        let wait = wait.get_or_insert_with(|| Box::pin(tokio::time::sleep(REQUEST_START_WAIT)));
+        if wait.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(Unanswered::NotStarted));
+        }
+        respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
+    })
+    .await
 }
 
 /// Moves what is left of the request, if anything, into the engine stream,
