@@ -1195,3 +1195,62 @@ fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Attack 4 of hardening round three: a caller that opens its windows wide
+/// (2 GiB), starts 512 calls of 20,000 tokens each, and never reads its
+/// socket. What the sidecar buffers for it is bounded per stream: its RSS
+/// grows by about a hundred megabytes, not the half gigabyte in 6 s (a
+/// gigabyte later) it took before.
+#[test]
+fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
+    let dir = TempDir::new("never-reads");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let before = rss_kib(sidecar.proc.pid());
+    let block = grpc_headers_block(
+        &sidecar.listen.to_string(),
+        "/trtllm.TrtllmService/Generate",
+    );
+    let mut raw = raw_h2::RawH2::connect(sidecar.listen);
+    // The preface, SETTINGS INITIAL_WINDOW_SIZE 2^31-1, and the connection
+    // window opened as wide.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let mut settings = vec![0u8, 0x4];
+    settings.extend(0x7fff_ffffu32.to_be_bytes());
+    hello.extend(raw_h2::frame(raw_h2::SETTINGS, 0, 0, &settings));
+    hello.extend(raw_h2::frame(
+        raw_h2::WINDOW_UPDATE,
+        0,
+        0,
+        &(0x7fff_ffffu32 - 65_535).to_be_bytes(),
+    ));
+    raw.send(&hello).expect("preface");
+    let mut out = Vec::new();
+    for n in 0..512u32 {
+        let stream = 1 + 2 * n;
+        let message = generate(&format!("unread-{n}"), 20_000).encode_to_vec();
+        let mut data = vec![0u8];
+        data.extend((message.len() as u32).to_be_bytes());
+        data.extend(&message);
+        out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
+        out.extend(raw_h2::frame(
+            raw_h2::DATA,
+            raw_h2::END_STREAM,
+            stream,
+            &data,
+        ));
+    }
+    raw.send(&out).expect("512 calls");
+    // The socket is never read from now on.
+    std::thread::sleep(Duration::from_secs(6));
+    let grown_mib = rss_kib(sidecar.proc.pid()).saturating_sub(before) / 1024;
+    println!("sidecar RSS grew by {grown_mib} MiB for a caller that never reads");
+    // Release build: ~124 MiB with 16 KiB per stream, 510–554 MiB (and
+    // growing) with h2's default 400 KiB.
+    assert!(
+        grown_mib < 256,
+        "the sidecar holds {grown_mib} MiB more for a caller that never reads"
+    );
+    drop(raw);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -138,6 +138,16 @@ impl Drop for ConnectionSlot {
     }
 }
 
+/// What h2 may hold, per caller stream, of an answer the caller's window
+/// allows but its socket has not taken yet. The relay reads the engine only
+/// as fast as h2 grants room, so this bounds what a caller that opens its
+/// windows wide and never reads makes the sidecar hold: a token is a DATA
+/// frame of some 25 bytes with about four times that in h2's books, so
+/// 16 KiB of tokens is some 80 KiB per stream (h2's default, 400 KiB, let a
+/// stream hold about 2 MiB). Answers still flow at socket speed: h2 grants
+/// room again as soon as its frames are written.
+const CALLER_STREAM_SEND_BUFFER: usize = 16 << 10;
+
 /// One caller connection: HTTP/2 only, until it ends, its handshake or idle
 /// time runs out, it floods, or the sidecar exits.
 async fn serve_connection<IO>(io: IO, plane: Arc<Plane>, cancel: CancellationToken)
@@ -148,6 +158,7 @@ where
     let watched = Watched::new();
     let io = FrameWatch::new(io, watched.clone(), limits.control_frame_budget);
     let handshake = h2::server::Builder::new()
+        .max_send_buffer_size(CALLER_STREAM_SEND_BUFFER)
         .max_concurrent_streams(plane.stream_cap())
         .max_header_list_size(limits.max_header_list_bytes)
         .initial_window_size(STREAM_WINDOW)
