@@ -32,6 +32,29 @@ fn generate(id: &str, tokens: u32) -> GenerateRequest {
     }
 }
 
+/// One trtllm Generate of `tokens` tokens through `target`, on a connection
+/// of its own: the messages streamed (the tokens and the final one).
+async fn generate_through(
+    target: SocketAddr,
+    id: &str,
+    tokens: u32,
+) -> Result<usize, tonic::Status> {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{target}"))
+        .expect("uri")
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut stream = TrtllmServiceClient::new(channel)
+        .generate(generate(id, tokens))
+        .await?
+        .into_inner();
+    let mut n = 0;
+    while stream.message().await?.is_some() {
+        n += 1;
+    }
+    Ok(n)
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -662,21 +685,13 @@ fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine() {
             assert!(message.starts_with("not a gRPC call"), "{what}: {message}");
         }
         // The sidecar serves on.
-        let channel = tonic::transport::Channel::from_shared(format!("http://{}", sidecar.listen))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-        let mut stream = TrtllmServiceClient::new(channel)
-            .generate(generate("after-malformed", 4))
-            .await
-            .expect("a gRPC call after them")
-            .into_inner();
-        let mut n = 0;
-        while stream.message().await.expect("tokens").is_some() {
-            n += 1;
-        }
-        assert_eq!(n, 5, "4 tokens and the final message");
+        assert_eq!(
+            generate_through(sidecar.listen, "after-malformed", 4)
+                .await
+                .map_err(|s| s.code()),
+            Ok(5),
+            "4 tokens and the final message"
+        );
     });
     assert_eq!(
         sidecar.metric("llm_sidecar_calls_total{outcome=\"malformed\"}"),
@@ -1033,24 +1048,7 @@ fn rapid_reset_beside_a_victim(resets_apart: bool) {
     data.extend(&message);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let victim = std::thread::spawn(move || {
-        rt().block_on(async move {
-            let channel = tonic::transport::Channel::from_shared(format!("http://{listen}"))
-                .expect("uri")
-                .connect()
-                .await
-                .expect("connect");
-            let mut stream = TrtllmServiceClient::new(channel)
-                .generate(generate("victim", 300))
-                .await?
-                .into_inner();
-            let mut n = 0;
-            while stream.message().await?.is_some() {
-                n += 1;
-            }
-            Ok::<_, tonic::Status>(n)
-        })
-    });
+    let victim = std::thread::spawn(move || rt().block_on(generate_through(listen, "victim", 300)));
     std::thread::sleep(Duration::from_millis(300));
     let attackers: Vec<_> = (0..4)
         .map(|_| {
@@ -1153,22 +1151,10 @@ fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
         // Another caller, beside them.
-        let channel = tonic::transport::Channel::from_shared(format!("http://{target}"))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-        let victim = tokio::time::timeout(Duration::from_secs(5), async {
-            let mut stream = TrtllmServiceClient::new(channel)
-                .generate(generate("beside-half-open", 8))
-                .await?
-                .into_inner();
-            let mut n = 0;
-            while stream.message().await?.is_some() {
-                n += 1;
-            }
-            Ok::<_, tonic::Status>(n)
-        })
+        let victim = tokio::time::timeout(
+            Duration::from_secs(5),
+            generate_through(target, "beside-half-open", 8),
+        )
         .await;
         if !matches!(victim, Ok(Ok(9))) {
             return Err(format!(

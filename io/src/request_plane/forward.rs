@@ -303,8 +303,18 @@ async fn own_health(
 /// connection (a router retrying into a draining worker reaches that in
 /// seconds). A request that does not end within a short wait, or grows past
 /// the message limit, is answered anyway.
-async fn refuse(plane: &Plane, mut body: RecvStream) {
-    let limit = u64::from(plane.limits.max_message_bytes) + PREFIX_LEN as u64;
+async fn refuse(plane: &Plane, body: RecvStream) {
+    drain(body, drain_limit(plane), REFUSED_BODY_WAIT).await;
+}
+
+/// What is read of a request being dropped: one message at the limit.
+fn drain_limit(plane: &Plane) -> u64 {
+    u64::from(plane.limits.max_message_bytes) + PREFIX_LEN as u64
+}
+
+/// Reads and drops a request's DATA (giving its window back) until it ends,
+/// passes `limit` bytes, or `wait` runs out.
+async fn drain(mut body: RecvStream, limit: u64, wait: Duration) {
     let read_to_end = async {
         let mut read: u64 = 0;
         while let Some(Ok(data)) = poll_fn(|cx| body.poll_data(cx)).await {
@@ -315,7 +325,7 @@ async fn refuse(plane: &Plane, mut body: RecvStream) {
             }
         }
     };
-    let _ = tokio::time::timeout(REFUSED_BODY_WAIT, read_to_end).await;
+    let _ = tokio::time::timeout(wait, read_to_end).await;
 }
 
 /// Why a call ended before the engine's answer headers were passed on.
@@ -808,24 +818,10 @@ impl Drop for RequestPump {
 /// gateway multiplexing its users on one connection would be cut by one).
 /// A request that goes on past [`LINGER`] or the message limit is dropped
 /// then (reset).
-fn linger(plane: &Plane, mut body: RecvStream) {
-    let limit = u64::from(plane.limits.max_message_bytes) + PREFIX_LEN as u64;
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let drain = async {
-            let mut read: u64 = 0;
-            while let Some(Ok(data)) = poll_fn(|cx| body.poll_data(cx)).await {
-                let _ = body.flow_control().release_capacity(data.len());
-                read += data.len() as u64;
-                if read > limit {
-                    break;
-                }
-            }
-        };
-        let _ = tokio::time::timeout(LINGER, drain).await;
-    });
+fn linger(plane: &Plane, body: RecvStream) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(drain(body, drain_limit(plane), LINGER));
+    }
 }
 
 /// The engine's answer on its way to the caller, once its headers went out,
