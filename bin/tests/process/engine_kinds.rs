@@ -596,7 +596,7 @@ fn sigterm_drains_a_call(kind: Kind) {
         // grpc.health.v1 for vllm.Inference, which the sidecar answers itself.
         let own_health = kind.flag == "vllm-native";
         if own_health {
-            assert_eq!(own_status(sidecar.listen, kind.service).await, 1);
+            assert_eq!(own_health_status(sidecar.listen, kind.service).await, 1);
         } else {
             assert_eq!(
                 health_rpc(kind, sidecar.listen).await.map_err(|s| s.code()),
@@ -612,7 +612,7 @@ fn sigterm_drains_a_call(kind: Kind) {
         });
         if own_health {
             assert_eq!(
-                own_status(sidecar.listen, kind.service).await,
+                own_health_status(sidecar.listen, kind.service).await,
                 2,
                 "NOT_SERVING from the first moment of the drain"
             );
@@ -661,18 +661,6 @@ fn sigterm_drains_a_vllm_native_call() {
 #[test]
 fn sigterm_drains_an_sglang_native_call() {
     sigterm_drains_a_call(SGLANG_NATIVE);
-}
-
-/// The sidecar's own grpc.health.v1 status for `service`, raw.
-async fn own_status(addr: std::net::SocketAddr, service: &str) -> i32 {
-    tonic_health::pb::health_client::HealthClient::new(channel(addr).await)
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: service.to_string(),
-        })
-        .await
-        .expect("the sidecar's own health answers")
-        .into_inner()
-        .status
 }
 
 // ---- the native servers: vLLM's Rust frontend, SGLang's --grpc-port ---------

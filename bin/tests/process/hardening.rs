@@ -33,23 +33,28 @@ fn generate(id: &str, tokens: u32) -> GenerateRequest {
 }
 
 /// One trtllm Generate of `tokens` tokens through `target`, on a connection
-/// of its own: the messages streamed (the tokens and the final one).
+/// of its own, as the load generator sends it: the messages streamed (the
+/// tokens and the final one).
 async fn generate_through(
     target: SocketAddr,
     id: &str,
     tokens: u32,
 ) -> Result<usize, tonic::Status> {
-    let channel = tonic::transport::Channel::from_shared(format!("http://{target}"))
-        .expect("uri")
-        .connect()
+    use tokio_stream::StreamExt;
+    let channel = llm_sidecar_loadgen::connect(&target.to_string())
         .await
         .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let mut stream = TrtllmServiceClient::new(channel)
-        .generate(generate(id, tokens))
-        .await?
-        .into_inner();
+    let mut pieces = llm_sidecar_loadgen::generate::generate(
+        llm_sidecar_io::engine::EngineKind::Trtllm,
+        channel,
+        id.to_string(),
+        8,
+        tokens,
+    )
+    .await?;
     let mut n = 0;
-    while stream.message().await?.is_some() {
+    while let Some(piece) = pieces.next().await {
+        piece?;
         n += 1;
     }
     Ok(n)
@@ -834,29 +839,13 @@ fn half_open_own_health_watches_are_capped_per_connection_and_time_out() {
         }
         tokio::time::sleep(Duration::from_millis(700)).await;
         let open = tokio::task::spawn_blocking(move || {
-            let (_, body) = http_get(admin, "/metrics").expect("metrics");
-            body.lines()
-                .find(|l| l.starts_with("llm_sidecar_own_health_streams "))
-                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            metric_at(admin, "llm_sidecar_own_health_streams ")
         })
         .await
         .expect("join");
         assert_eq!(open, Some(64.0), "16 on each of the 4 connections");
         // A router's Check on a connection of its own is answered at once.
-        let channel = tonic::transport::Channel::from_shared(format!("http://{target}"))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-        let status = tonic_health::pb::health_client::HealthClient::new(channel)
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-            .expect("a Check beside the flood")
-            .into_inner()
-            .status;
-        assert_eq!(status, 1, "SERVING");
+        assert_eq!(own_health_status(target, "").await, 1, "SERVING");
         let mut codes = std::collections::BTreeMap::<String, usize>::new();
         for answer in all {
             let code = match tokio::time::timeout(Duration::from_secs(15), answer).await {

@@ -230,6 +230,24 @@ pub struct Probed {
     pub identity: Option<String>,
 }
 
+impl Probed {
+    /// A probe whose one call answered with the engine's instance id (or
+    /// failed): fresh if it answered, and that id, where it is one, as who
+    /// answers.
+    pub(crate) fn by_instance_id(answer: Result<String, EngineError>) -> Probed {
+        match answer {
+            Ok(id) => Probed {
+                fresh: Ok(()),
+                identity: (!id.is_empty()).then_some(id),
+            },
+            Err(e) => Probed {
+                fresh: Err(e),
+                identity: None,
+            },
+        }
+    }
+}
+
 /// Why talking to the engine failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

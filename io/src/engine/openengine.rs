@@ -84,10 +84,6 @@ pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
     )
     .await
     {
-        Ok(load) => Probed {
-            fresh: Ok(()),
-            identity: (!load.instance_id.is_empty()).then_some(load.instance_id),
-        },
         Err(e) if e.unserved_call().is_some() => {
             let server = bounded(
                 "GetServerInfo",
@@ -102,9 +98,6 @@ pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
                     .and_then(|s| (!s.instance_id.is_empty()).then_some(s.instance_id)),
             }
         }
-        Err(e) => Probed {
-            fresh: Err(e),
-            identity: None,
-        },
+        answer => Probed::by_instance_id(answer.map(|load| load.instance_id)),
     }
 }

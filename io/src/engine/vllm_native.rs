@@ -62,20 +62,11 @@ pub(super) async fn read_info(
 /// `GetServerInfo` answering is fresh; its `instance_id` is who answers.
 pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
     let mut client = ControlClient::new(channel.clone());
-    match bounded(
+    let answer = bounded(
         "GetServerInfo",
         bound,
         client.get_server_info(GetServerInfoRequest {}),
     )
-    .await
-    {
-        Ok(server) => Probed {
-            fresh: Ok(()),
-            identity: (!server.instance_id.is_empty()).then_some(server.instance_id),
-        },
-        Err(e) => Probed {
-            fresh: Err(e),
-            identity: None,
-        },
-    }
+    .await;
+    Probed::by_instance_id(answer.map(|server| server.instance_id))
 }

@@ -17,6 +17,32 @@ pub fn binary() -> &'static str {
 
 pub use llm_sidecar_loadgen::local::{files_under, record_files};
 
+/// The value of the first line starting with `name` on the `/metrics` of the
+/// admin server at `admin`.
+pub fn metric_at(admin: SocketAddr, name: &str) -> Option<f64> {
+    let (_, body) = http_get(admin, "/metrics")?;
+    body.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// The sidecar's own grpc.health.v1 status for `service` (a `Check` on its
+/// request port `listen`, on a connection of its own), raw.
+pub async fn own_health_status(listen: SocketAddr, service: &str) -> i32 {
+    let channel = llm_sidecar_loadgen::connect(&listen.to_string())
+        .await
+        .expect("connect to the request plane");
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await
+        .expect("the sidecar's own health answers")
+        .into_inner()
+        .status
+}
+
 /// A loopback address with a port nobody listens on right now.
 pub fn free_addr() -> SocketAddr {
     llm_sidecar_loadgen::local::free_loopback_addr().expect("bind an ephemeral port")
@@ -273,11 +299,7 @@ impl Sidecar {
 
     /// The value of the first `/metrics` line starting with `name`.
     pub fn metric(&self, name: &str) -> Option<f64> {
-        let (_, body) = http_get(self.admin, "/metrics")?;
-        body.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
+        metric_at(self.admin, name)
     }
 
     pub fn wait_for_record(&self, limit: Duration) -> PathBuf {
