@@ -142,9 +142,10 @@ const PER_PEER: usize = 8;
 ///
 /// Room for a probe, always: one peer cannot hold more than [`PER_PEER`], so
 /// filling the port takes many addresses; and when it is full, a new
-/// connection closes the oldest one instead of being refused. A flood of idle
-/// connections then cycles through the slots, while a probe's connection,
-/// the newest, is answered in the milliseconds before it would be the oldest.
+/// connection closes the oldest connection of the peer that holds the most,
+/// instead of being refused. A flood of idle connections from a few addresses
+/// then cycles through their own slots, and the kubelet's one connection is
+/// not closed for them however fast they come.
 #[derive(Default)]
 struct Connections {
     next_id: u64,
@@ -165,17 +166,35 @@ impl Connections {
             return None;
         }
         *held += 1;
-        if self.open.len() >= MAX_CONNECTIONS
-            && let Some((_, (oldest_peer, close))) = self.open.pop_first()
-        {
-            close.cancel();
-            self.leave(oldest_peer);
+        if self.open.len() >= MAX_CONNECTIONS {
+            self.close_one();
         }
         let id = self.next_id;
         self.next_id += 1;
         let close = cancel.child_token();
         self.open.insert(id, (peer, close.clone()));
         Some((id, close))
+    }
+
+    /// Makes room: closes the oldest connection of the peer holding the most.
+    fn close_one(&mut self) {
+        let Some(busiest) = self
+            .per_peer
+            .iter()
+            .max_by_key(|(_, held)| **held)
+            .map(|(peer, _)| *peer)
+        else {
+            return;
+        };
+        let oldest = self
+            .open
+            .iter()
+            .find(|(_, (peer, _))| *peer == busiest)
+            .map(|(id, _)| *id);
+        if let Some((peer, close)) = oldest.and_then(|id| self.open.remove(&id)) {
+            close.cancel();
+            self.leave(peer);
+        }
     }
 
     /// A connection ended (or was closed to make room: then already gone).
@@ -254,26 +273,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_full_port_closes_its_oldest_connection_and_a_peer_holds_at_most_its_share() {
+    fn a_full_port_closes_the_busiest_peers_oldest_connection_and_a_peer_holds_at_most_its_share() {
         let root = CancellationToken::new();
         let mut books = Connections::default();
         let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
-        let mut first = None;
-        for n in 0..MAX_CONNECTIONS {
-            let admitted = books.admit(ip((n / PER_PEER) as u8 + 1), &root);
-            assert!(admitted.is_some(), "connection {n}");
-            first = first.or(admitted);
+        // One busy peer with its share, then one connection each from others
+        // (the kubelet among them: 127.0.0.2) until the port is full.
+        let mut busy = Vec::new();
+        for _ in 0..PER_PEER {
+            busy.push(books.admit(ip(1), &root).expect("within its share"));
         }
-        let (first_id, first_close) = first.expect("the first");
         assert!(
             books.admit(ip(1), &root).is_none(),
             "127.0.0.1 holds its share"
         );
-        assert!(!first_close.is_cancelled());
-        let newcomer = books.admit(ip(200), &root).expect("room is made");
-        assert!(first_close.is_cancelled(), "the oldest was closed for it");
+        let kubelet = books.admit(ip(2), &root).expect("the kubelet");
+        for n in 0..(MAX_CONNECTIONS - PER_PEER - 1) {
+            assert!(books.admit(ip(3 + n as u8), &root).is_some(), "peer {n}");
+        }
         assert_eq!(books.open.len(), MAX_CONNECTIONS);
-        books.end(first_id);
+        let newcomer = books.admit(ip(250), &root).expect("room is made");
+        assert!(
+            busy[0].1.is_cancelled(),
+            "the busiest peer's oldest was closed"
+        );
+        assert!(busy[1..].iter().all(|(_, close)| !close.is_cancelled()));
+        assert!(
+            !kubelet.1.is_cancelled(),
+            "a peer with one connection is not closed"
+        );
+        assert_eq!(books.open.len(), MAX_CONNECTIONS);
+        books.end(busy[0].0);
         assert_eq!(
             books.open.len(),
             MAX_CONNECTIONS,
@@ -284,7 +314,7 @@ mod tests {
             "127.0.0.1 has room again"
         );
         books.end(newcomer.0);
-        assert_eq!(books.per_peer.get(&ip(200)), None);
+        assert_eq!(books.per_peer.get(&ip(250)), None);
     }
 
     #[test]
