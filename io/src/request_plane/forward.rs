@@ -114,8 +114,11 @@ pub(crate) fn call(
         // The caller's RST_STREAM came with its HEADERS (a rapid reset): an
         // engine stream opened now would only be reset again on the shared
         // engine connection, where a burst of such resets makes the engine
-        // GOAWAY it, every caller's calls with it.
-        plane.counters.record(CallOutcome::CancelledByCaller);
+        // GOAWAY it, every caller's calls with it. It still passes the gate,
+        // so the account stays whole: refused while admission is closed (a
+        // caller's client resets a request it failed on the exit's GOAWAY),
+        // else admitted and, dropped at once, cancelled by its caller.
+        drop(Admitted::try_new(&plane));
         return Box::pin(async move {
             let _open = open;
         });
