@@ -1205,3 +1205,120 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// Two connections that set their stream window to zero and never open it,
+/// each with `calls` Generate calls of 100,000 tokens: no answer byte may be
+/// sent to them, so every one of their answers waits in the sidecar.
+fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
+    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    (0..2)
+        .map(|c| {
+            let mut raw = RawH2::connect(listen);
+            let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+            let mut settings = vec![0u8, 0x4];
+            settings.extend(0u32.to_be_bytes());
+            out.extend(raw_h2::frame(raw_h2::SETTINGS, 0, 0, &settings));
+            for n in 0..calls {
+                let stream = 1 + 2 * n;
+                let message = generate(&format!("stalled-{c}-{n}"), 100_000).encode_to_vec();
+                let mut data = vec![0u8];
+                data.extend((message.len() as u32).to_be_bytes());
+                data.extend(&message);
+                out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
+                out.extend(raw_h2::frame(
+                    raw_h2::DATA,
+                    raw_h2::END_STREAM,
+                    stream,
+                    &data,
+                ));
+            }
+            raw.send(&out).expect("the stalled calls");
+            raw
+        })
+        .collect()
+}
+
+/// One Generate of `tokens` through `listen`, given up after a minute.
+fn generate_or_give_up(listen: SocketAddr, id: &str, tokens: u32) -> Result<usize, (Code, String)> {
+    rt().block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            generate_through(listen, id, tokens),
+        )
+        .await
+        .map_err(|_| {
+            (
+                Code::DeadlineExceeded,
+                "no end within 60 s (test)".to_string(),
+            )
+        })?
+        .map_err(|s| (s.code(), s.message().to_string()))
+    })
+}
+
+/// Attack 3 of hardening round three, with tokens: 400 calls whose callers
+/// set their window to zero, the engine streaming one token per DATA frame
+/// (as engines do) every millisecond. h2 charges each small frame it holds
+/// unread against a budget of its connection; left unread in h2, the stalled
+/// answers spent it, and h2 failed the engine connection
+/// (`too_many_data_frames`) and the call streaming beside them. The relay
+/// now reads them out of h2 and holds them itself, the engine's window kept.
+#[test]
+fn zero_window_callers_of_token_streams_kill_no_engine_connection() {
+    let dir = TempDir::new("zero-window-tokens");
+    let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "1ms"], &[]);
+    let listen = sidecar.listen;
+    let streaming = std::thread::spawn(move || generate_or_give_up(listen, "streaming", 4_000));
+    std::thread::sleep(Duration::from_millis(300));
+    let stalled = zero_window_callers(listen, 200);
+    assert_eq!(
+        streaming.join().expect("streaming caller"),
+        Ok(4_001),
+        "a call streaming beside 400 stalled calls gets all of its tokens"
+    );
+    let held = metric_at(sidecar.admin, "llm_sidecar_answer_bytes_held").unwrap_or(0.0);
+    println!("{held} bytes of answers held for 400 callers that do not read");
+    assert!(held > 0.0, "the stalled answers are held by the sidecar");
+    drop(stalled);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+/// Attack 3 of hardening round three, with the window: 4,096 calls whose
+/// callers set their window to zero, each answer longer than an engine
+/// stream's window. Each stalled answer keeps its stream window (64 KiB) of
+/// the engine connection's window; all on one engine connection, they held
+/// all of it (256 MiB), and another call got no byte. The pool now opens at
+/// most 2,048 streams per engine connection, so stalled ones hold at most
+/// half its window.
+#[test]
+fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
+    let dir = TempDir::new("zero-window");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let listen = sidecar.listen;
+    let before = rss_kib(sidecar.proc.pid());
+    let stalled = zero_window_callers(listen, 2_048);
+    // Until every stalled answer has filled its engine stream's window (the
+    // engine sends no more): 4,096 × 64 KiB, the whole window of one engine
+    // connection.
+    let full = 4_096.0 * 65_536.0;
+    let start = std::time::Instant::now();
+    let mut held = 0.0;
+    while held < full && start.elapsed() < Duration::from_secs(240) {
+        std::thread::sleep(Duration::from_millis(500));
+        held = metric_at(sidecar.admin, "llm_sidecar_answer_bytes_held").unwrap_or(0.0);
+    }
+    assert!(held >= full, "only {held} bytes held after 240 s");
+    assert_eq!(
+        generate_or_give_up(listen, "late", 16),
+        Ok(17),
+        "a call started beside 4,096 stalled calls gets its 16 tokens and final message"
+    );
+    let grown_mib = rss_kib(sidecar.proc.pid()).saturating_sub(before) / 1024;
+    println!("sidecar RSS grew by {grown_mib} MiB holding {held} bytes for 4,096 stalled calls");
+    // 4,096 × 64 KiB held, and h2's state for each stream.
+    assert!(grown_mib < 512, "the sidecar holds {grown_mib} MiB more");
+    drop(stalled);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -57,6 +57,7 @@ pub(crate) struct Snapshot {
     probe_age: f64,
     stale_load_rule: i64,
     own_health: (u64, u64),
+    answer_bytes_held: u64,
     discovery_write_failures: u64,
     loss_to_withdraw: f64,
     in_flight: u64,
@@ -95,6 +96,7 @@ impl Snapshot {
                 calls.own_health_open.load(Relaxed),
                 calls.own_health_refused.load(Relaxed),
             ),
+            answer_bytes_held: calls.answer_bytes_held.load(Relaxed),
             discovery_write_failures: status.discovery_write_failures,
             loss_to_withdraw: status.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64()),
             in_flight,
@@ -229,6 +231,13 @@ impl Snapshot {
             "Own grpc.health.v1 streams refused RESOURCE_EXHAUSTED: their connection or the \
              sidecar held its most.",
             ConstCounter::new(self.own_health.1),
+        )?;
+        one(
+            e,
+            "llm_sidecar_answer_bytes_held",
+            "Bytes of engine answers the sidecar holds for callers whose window is closed \
+             (at most 64 KiB per call): high and flat means callers that do not read.",
+            ConstGauge::new(self.answer_bytes_held),
         )?;
         let outcomes = CallOutcome::ALL.map(CallOutcome::label);
         labelled(

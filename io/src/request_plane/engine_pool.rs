@@ -19,6 +19,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use bytes::Bytes;
 use h2::SendStream;
@@ -35,6 +36,17 @@ pub(crate) type SendError = Box<dyn std::error::Error + Send + Sync>;
 /// How many streams a new connection opens before the engine's SETTINGS say
 /// how many it takes (hyper's default; h2's own is unlimited).
 const INITIAL_MAX_SEND_STREAMS: usize = 100;
+
+/// The most streams the pool opens on one engine connection, whatever the
+/// engine allows. An engine stream's answer waits in the sidecar while its
+/// caller's window is closed, and what waits keeps its share of the engine
+/// connection's window: a stream window at most (ENGINE_STREAM_WINDOW). With
+/// this many streams, the streams of callers that never read hold at most
+/// half the connection's window (ENGINE_CONNECTION_WINDOW), and the other
+/// half always flows to the calls beside them. Without it, 4,096 calls from
+/// callers with a window of zero held all of it, and another call on that
+/// connection got no byte in 20 s (docs/RELIABILITY.md, "Flow control").
+pub(crate) const STREAMS_PER_CONNECTION: u32 = ENGINE_CONNECTION_WINDOW / ENGINE_STREAM_WINDOW / 2;
 
 /// How much request data one engine stream may hold unsent (hyper's default).
 const MAX_SEND_BUFFER_BYTES: usize = 1 << 20;
@@ -68,7 +80,6 @@ struct Open {
 }
 
 /// One engine connection and the calls on it.
-#[derive(Default)]
 struct Pooled {
     /// The open connection; `None` before the first call and after it closed.
     sender: Mutex<Option<Open>>,
@@ -76,7 +87,23 @@ struct Pooled {
     opening: Mutex<Opening>,
     /// Woken when an attempt to open the connection is over.
     opened: tokio::sync::Notify,
+    /// Calls leased this connection.
     open: AtomicU32,
+    /// [`STREAMS_PER_CONNECTION`] permits, one held by each call whose
+    /// engine stream is open on this connection.
+    streams: Arc<Semaphore>,
+}
+
+impl Default for Pooled {
+    fn default() -> Self {
+        Pooled {
+            sender: Mutex::default(),
+            opening: Mutex::default(),
+            opened: tokio::sync::Notify::new(),
+            open: AtomicU32::new(0),
+            streams: Arc::new(Semaphore::new(STREAMS_PER_CONNECTION as usize)),
+        }
+    }
 }
 
 /// The state of opening a pooled connection.
@@ -118,6 +145,8 @@ pub(crate) struct EnginePool {
 pub(crate) struct Lease {
     pooled: Arc<Pooled>,
     target: Arc<Target>,
+    /// The call's place among the connection's streams, once it opens one.
+    stream: Option<OwnedSemaphorePermit>,
 }
 
 impl Lease {
@@ -126,10 +155,15 @@ impl Lease {
     /// END_STREAM when `end_of_stream`. The answer's headers come through the
     /// [`ResponseFuture`]; the request's body, if any, goes into the stream.
     pub(crate) async fn send(
-        &self,
+        &mut self,
         mut request: http::Request<()>,
         end_of_stream: bool,
     ) -> Result<(ResponseFuture, SendStream<Bytes>), SendError> {
+        if self.stream.is_none() {
+            // Waits only when every connection the pool may open is at
+            // STREAMS_PER_CONNECTION (the permits are never closed).
+            self.stream = self.pooled.streams.clone().acquire_owned().await.ok();
+        }
         let (sender, closed) = self.sender().await?;
         // HTTP/2 needs the origin; the caller's request carries its own path.
         let mut parts = request.uri().clone().into_parts();
@@ -336,12 +370,7 @@ impl EnginePool {
             .iter()
             .min_by_key(|c| c.open.load(Ordering::Acquire))
             .cloned();
-        let full = |c: &Pooled| {
-            self.target
-                .limit
-                .get()
-                .is_some_and(|limit| c.open.load(Ordering::Acquire) >= limit)
-        };
+        let full = |c: &Pooled| c.open.load(Ordering::Acquire) >= self.streams_per_connection();
         let chosen = match least {
             Some(c) if !full(&c) || connections.len() >= self.max_connections => c,
             Some(_) | None => {
@@ -359,15 +388,23 @@ impl EnginePool {
         Lease {
             pooled: chosen,
             target: self.target.clone(),
+            stream: None,
         }
     }
 
-    /// How many calls the engine takes at once through this pool, if it
-    /// limits streams per connection.
-    pub(crate) fn capacity(&self) -> Option<u64> {
+    /// The streams one connection carries: the engine's limit, and never
+    /// more than [`STREAMS_PER_CONNECTION`].
+    fn streams_per_connection(&self) -> u32 {
         self.target
             .limit
             .get()
-            .map(|limit| u64::from(limit) * self.max_connections as u64)
+            .map_or(STREAMS_PER_CONNECTION, |limit| {
+                limit.min(STREAMS_PER_CONNECTION)
+            })
+    }
+
+    /// How many calls the engine takes at once through this pool.
+    pub(crate) fn capacity(&self) -> u64 {
+        u64::from(self.streams_per_connection()) * self.max_connections as u64
     }
 }

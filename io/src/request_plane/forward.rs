@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http_body::{Body as HttpBody, Frame};
@@ -35,6 +35,7 @@ use super::framing::{
     too_large_message,
 };
 use super::outcome::CallOutcome;
+use crate::engine::ENGINE_STREAM_WINDOW;
 
 /// How long a refused call's request may take to arrive before it is answered.
 const REFUSED_BODY_WAIT: Duration = Duration::from_millis(250);
@@ -360,7 +361,7 @@ async fn answer(
         cut: Box::pin(plane.cut_token().cancelled_owned()),
         deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
     };
-    let answered = engine_answer(&plane, &guard.lease, request, &mut ends, &mut respond).await;
+    let answered = engine_answer(&plane, &mut guard.lease, request, &mut ends, &mut respond).await;
     let (response, pump) = match answered {
         Ok(answered) => answered,
         Err(why) => {
@@ -394,6 +395,7 @@ async fn answer(
         .ok()?;
     Some(Relay {
         engine: Some(body),
+        held: BytesMut::new(),
         data_done: false,
         pump,
         caller,
@@ -410,7 +412,7 @@ async fn answer(
 /// returned pump.
 async fn engine_answer(
     plane: &Arc<Plane>,
-    lease: &Lease,
+    lease: &mut Lease,
     request: http::Request<RecvStream>,
     ends: &mut Endings,
     respond: &mut SendResponse<Bytes>,
@@ -827,11 +829,38 @@ fn linger(plane: &Plane, body: RecvStream) {
     }
 }
 
+/// Appends `data` to an answer held for its caller, growing the buffer by
+/// doubling but never past a stream window unless it must: that is all the
+/// engine can have sent unreleased, and thousands of stalled calls each
+/// holding twice that (a growing buffer's spare room) cost twice the memory.
+fn hold(held: &mut BytesMut, data: &[u8]) {
+    let needed = held.len() + data.len();
+    if held.capacity() < needed {
+        let room = needed
+            .next_power_of_two()
+            .min(ENGINE_STREAM_WINDOW as usize)
+            .max(needed);
+        let mut grown = BytesMut::with_capacity(room);
+        grown.extend_from_slice(held);
+        *held = grown;
+    }
+    held.extend_from_slice(data);
+}
+
 /// The engine's answer on its way to the caller, once its headers went out,
 /// and the rest of the caller's request still going into the engine stream.
 struct Relay {
     /// `None` once the call is over (the engine stream is dropped, i.e. reset).
     engine: Option<RecvStream>,
+    /// The engine's answer read while the caller had no window for it, its
+    /// window not yet given back to the engine: so it is at most one engine
+    /// stream window (ENGINE_STREAM_WINDOW). Reading it out of h2 at once,
+    /// rather than leaving it there, matters: h2 charges every small DATA
+    /// frame it holds unread against a budget of its engine connection, and
+    /// a few hundred callers that never open their window, each with a
+    /// window's worth of tokens held there, spent it; h2 then failed the
+    /// engine connection (`too_many_data_frames`) and every call on it.
+    held: BytesMut,
     /// The engine's DATA has ended; its trailers are next.
     data_done: bool,
     /// The request while it is still being sent; dropped with `engine` at the end.
@@ -868,27 +897,44 @@ impl Relay {
             }
         }
         loop {
+            // What waits for the caller's window goes first.
+            let window = if self.held.is_empty() {
+                None
+            } else {
+                match poll_window(&mut self.caller, cx) {
+                    Poll::Ready(Ok(())) => {
+                        let held = std::mem::take(&mut self.held).freeze();
+                        self.held_bytes(held.len(), false);
+                        if self.pass_on(held).is_err() {
+                            return Poll::Ready(());
+                        }
+                        continue;
+                    }
+                    Poll::Ready(Err(())) => return Poll::Ready(()),
+                    Poll::Pending => Some(()),
+                }
+            };
             let Some(engine) = self.engine.as_mut() else {
                 return Poll::Ready(());
             };
             if !self.data_done {
-                if ready!(poll_window(&mut self.caller, cx)).is_err() {
-                    return Poll::Ready(());
-                }
                 match engine.poll_data(cx) {
                     Poll::Ready(Some(Ok(data))) => {
-                        // The engine may send as much again: its window is what
-                        // the caller has not read yet, and this is on its way to it.
-                        let _ = engine.flow_control().release_capacity(data.len());
-                        if self.guard.bytes == 0 && !data.is_empty() {
-                            self.guard.call.first_message_sent();
-                        }
-                        self.guard.bytes += data.len() as u64;
                         if self.limiter.feed(&data).is_err() {
                             return self.end_too_large();
                         }
-                        if self.caller.send_data(data, false).is_err() {
-                            return Poll::Ready(());
+                        if window.is_none() && self.caller.capacity() > 0 {
+                            if self.pass_on(data).is_err() {
+                                return Poll::Ready(());
+                            }
+                        } else {
+                            // Held, its window kept from the engine until it
+                            // goes out: the engine sends at the caller's pace.
+                            hold(&mut self.held, &data);
+                            self.held_bytes(data.len(), true);
+                            if self.caller.capacity() == 0 {
+                                self.caller.reserve_capacity(1);
+                            }
                         }
                         continue;
                     }
@@ -896,6 +942,11 @@ impl Relay {
                     Poll::Ready(None) => self.data_done = true,
                     Poll::Pending => return self.wait_for_engine(cx),
                 }
+            }
+            if window.is_some() {
+                // The answer is all read; the rest of it waits for the
+                // caller's window before the trailers can follow.
+                return self.wait_for_engine(cx);
             }
             return match engine.poll_trailers(cx) {
                 Poll::Ready(Ok(Some(trailers))) => self.end_with_trailers(trailers),
@@ -911,6 +962,31 @@ impl Relay {
                 Poll::Pending => self.wait_for_engine(cx),
             };
         }
+    }
+
+    /// Counts bytes of an answer held for the caller (`true`) or no longer.
+    fn held_bytes(&self, bytes: usize, held: bool) {
+        let gauge = &self.guard.call.plane().counters.answer_bytes_held;
+        if held {
+            gauge.fetch_add(bytes as u64, Ordering::Relaxed);
+        } else {
+            gauge.fetch_sub(bytes as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Sends `data` of the engine's answer on to the caller and gives its
+    /// window back to the engine: the engine may send as much again, its
+    /// window being what the caller has not taken yet. `Err`: the caller's
+    /// stream is gone.
+    fn pass_on(&mut self, data: Bytes) -> Result<(), ()> {
+        if let Some(engine) = self.engine.as_mut() {
+            let _ = engine.flow_control().release_capacity(data.len());
+        }
+        if self.guard.bytes == 0 && !data.is_empty() {
+            self.guard.call.first_message_sent();
+        }
+        self.guard.bytes += data.len() as u64;
+        self.caller.send_data(data, false).map_err(|_| ())
     }
 
     /// Waits for the engine, and for the caller's reset: a caller who gives
@@ -958,6 +1034,14 @@ impl Relay {
         self.drop_engine_stream();
         let _ = send_trailers(&mut self.caller, trailers);
         Poll::Ready(())
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            self.held_bytes(self.held.len(), false);
+        }
     }
 }
 

@@ -185,11 +185,7 @@ impl Plane {
     /// caller cannot hold every engine stream.
     pub(crate) fn stream_cap(&self) -> u32 {
         let flag = self.limits.max_concurrent_streams;
-        match self.engine.capacity() {
-            Some(capacity) => {
-                u32::try_from((capacity / 2).max(1)).map_or(flag, |half| flag.min(half))
-            }
-            None => flag,
-        }
+        let half = (self.engine.capacity() / 2).max(1);
+        u32::try_from(half).map_or(flag, |half| flag.min(half))
     }
 }

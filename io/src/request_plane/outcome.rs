@@ -101,6 +101,8 @@ pub(crate) struct CallCounters {
     pub(crate) own_health_open: AtomicU64,
     /// Own-health streams refused: a connection or the sidecar had its most.
     pub(crate) own_health_refused: AtomicU64,
+    /// Bytes of engine answers read and waiting for their callers' window.
+    pub(crate) answer_bytes_held: AtomicU64,
     /// Admitted calls' time from admission to their end, indexed like
     /// [`CallOutcome::ALL`]: one histogram per outcome, made at start, so a
     /// call's end touches no map.
@@ -119,6 +121,7 @@ impl Default for CallCounters {
             bytes_to_caller: AtomicU64::default(),
             own_health_open: AtomicU64::default(),
             own_health_refused: AtomicU64::default(),
+            answer_bytes_held: AtomicU64::default(),
             duration: std::array::from_fn(|_| Histogram::new(CALL_SECONDS)),
             first_message: std::array::from_fn(|_| Histogram::new(FIRST_MESSAGE_SECONDS)),
         }
