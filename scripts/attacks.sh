@@ -2,11 +2,13 @@
 # The hardening attacks, measured: a well-behaved caller's calls/s through the
 # sidecar with no attack, while one caller holds every engine stream, and while
 # a caller floods PING, SETTINGS, PRIORITY or WINDOW_UPDATE frames, on one
-# connection (once) and reconnecting whenever the sidecar cuts it (again).
-# docs/RELIABILITY.md ("Hardening") quotes a run.
+# connection (once) and reconnecting whenever the sidecar cuts it (again); and
+# beside callers that never open their window (round three, attack 3), with
+# the sidecar's RSS. docs/RELIABILITY.md ("Hardening") quotes a run.
 #
 #   bash scripts/attacks.sh [path/to/llm-sidecar]     (default: the release build)
 #
+# ATTACKS=stall runs only the zero-window callers.
 # MOCK=path/to/llm-sidecar runs the mock engine from another build (an older
 # sidecar's own mock may lack --max-concurrent-streams).
 # Needs python3 (for the flooder). Ports 47000-47099 on loopback.
@@ -16,11 +18,12 @@ bin=${1:-target/release/llm-sidecar}
 [ -x "$bin" ] || cargo build --release --locked -p llm-sidecar
 mock=${MOCK:-$bin}
 flood=bin/tests/process/clients/h2_flood.py
+stall=bin/tests/process/clients/h2_stall.py
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 
-calm() { # calls/s of 4 streams of 16 tokens for 5 s, and the errors
-  "$bin" bench --target "127.0.0.1:$1" -c 4 -n 16 -d 5s --json | python3 -c '
+calm() { # calls/s of 4 streams of 16 tokens for 5 s (or $2), and the errors
+  "$bin" bench --target "127.0.0.1:$1" -c 4 -n 16 -d "${2:-5s}" --json | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
 print("%.0f calls/s, errors %s" % (r["calls_per_s"], r["errors"] or "none"))'
@@ -35,9 +38,14 @@ start() { # mock flags...; starts the mock on 47051 and the sidecar on 47061
   echo "sidecar did not become ready"; cat "$work/sidecar.log"; exit 1
 }
 
+rss() { # the sidecar's resident memory, MiB
+  echo "$(( $(ps -o rss= -p "$(pgrep -f 'listen 127.0.0.1:47061' | head -1)") / 1024 )) MiB"
+}
+
 stop() { kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; sleep 1; }
 
 echo "binary: $bin"
+if [ "${ATTACKS:-all}" = all ]; then
 start
 echo "no attack:                      $(calm 47061)"
 for mode in once again; do
@@ -57,3 +65,18 @@ sleep 2
 echo "one caller holds 150 streams (engine allows 100 per connection):"
 echo "                                $(timeout 60 bash -c "$(declare -f calm); bin=$bin; calm 47061" || echo 'no call completed within 60 s')"
 stop
+fi
+
+# Callers with a window of zero: 400 calls of tokens paced 1 ms apart, then
+# 4,096 calls of tokens as fast as the engine makes them, each held 40 s; the
+# well-behaved caller runs for 30 s from 1 s after they start.
+for spec in "1ms 200" "0ms 2048"; do
+  set -- $spec
+  start --token-delay "$1"
+  python3 "$stall" 127.0.0.1:47061 2 "$2" 100000 40 >"$work/stall.json" &
+  sleep 1
+  echo "zero-window callers, 2 x $2 calls, tokens every $1:"
+  echo "                                $(timeout 90 bash -c "$(declare -f calm); bin=$bin; calm 47061 30s" || echo 'no call completed within 90 s'); sidecar RSS $(rss)"
+  grep -o 'too_many_data_frames' "$work/sidecar.log" | head -1 || true
+  stop
+done
