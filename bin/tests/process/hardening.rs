@@ -1019,10 +1019,7 @@ fn rapid_reset_beside_a_victim() {
     let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "10ms"], &[]);
     let listen = sidecar.listen;
     let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-    let message = generate("rapid", 4).encode_to_vec();
-    let mut data = vec![0u8];
-    data.extend((message.len() as u32).to_be_bytes());
-    data.extend(&message);
+    let data = raw_h2::grpc_message(&generate("rapid", 4).encode_to_vec());
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let victim = std::thread::spawn(move || rt().block_on(generate_through(listen, "victim", 300)));
@@ -1164,10 +1161,7 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     let mut raw = raw_h2::RawH2::connect(sidecar.listen);
     // The preface, SETTINGS INITIAL_WINDOW_SIZE 2^31-1, and the connection
     // window opened as wide.
-    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    let mut settings = vec![0u8, 0x4];
-    settings.extend(0x7fff_ffffu32.to_be_bytes());
-    hello.extend(raw_h2::frame(raw_h2::SETTINGS, 0, 0, &settings));
+    let mut hello = raw_h2::preface(&[(0x4, 0x7fff_ffff)]);
     hello.extend(raw_h2::frame(
         raw_h2::WINDOW_UPDATE,
         0,
@@ -1179,16 +1173,7 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     for n in 0..512u32 {
         let stream = 1 + 2 * n;
         let message = generate(&format!("unread-{n}"), 20_000).encode_to_vec();
-        let mut data = vec![0u8];
-        data.extend((message.len() as u32).to_be_bytes());
-        data.extend(&message);
-        out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
-        out.extend(raw_h2::frame(
-            raw_h2::DATA,
-            raw_h2::END_STREAM,
-            stream,
-            &data,
-        ));
+        out.extend(raw_h2::call(stream, &block, &message));
     }
     raw.send(&out).expect("512 calls");
     // The socket is never read from now on.
@@ -1214,23 +1199,11 @@ fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
     (0..2)
         .map(|c| {
             let mut raw = RawH2::connect(listen);
-            let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-            let mut settings = vec![0u8, 0x4];
-            settings.extend(0u32.to_be_bytes());
-            out.extend(raw_h2::frame(raw_h2::SETTINGS, 0, 0, &settings));
+            // SETTINGS_INITIAL_WINDOW_SIZE 0.
+            let mut out = raw_h2::preface(&[(0x4, 0)]);
             for n in 0..calls {
-                let stream = 1 + 2 * n;
                 let message = generate(&format!("stalled-{c}-{n}"), 100_000).encode_to_vec();
-                let mut data = vec![0u8];
-                data.extend((message.len() as u32).to_be_bytes());
-                data.extend(&message);
-                out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
-                out.extend(raw_h2::frame(
-                    raw_h2::DATA,
-                    raw_h2::END_STREAM,
-                    stream,
-                    &data,
-                ));
+                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
             }
             raw.send(&out).expect("the stalled calls");
             raw

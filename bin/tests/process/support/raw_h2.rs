@@ -55,6 +55,33 @@ pub struct RawH2 {
     pub stream: TcpStream,
 }
 
+/// The client preface and a SETTINGS frame of these `(identifier, value)`s.
+pub fn preface(settings: &[(u16, u32)]) -> Vec<u8> {
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let payload: Vec<u8> = settings
+        .iter()
+        .flat_map(|(id, value)| id.to_be_bytes().into_iter().chain(value.to_be_bytes()))
+        .collect();
+    hello.extend(frame(SETTINGS, 0, 0, &payload));
+    hello
+}
+
+/// A whole unary-request call on `stream`: HEADERS (`block`, END_HEADERS)
+/// and one DATA frame carrying `message` as a gRPC message, END_STREAM.
+pub fn call(stream: u32, block: &[u8], message: &[u8]) -> Vec<u8> {
+    let mut out = frame(HEADERS, 0x4, stream, block);
+    out.extend(frame(DATA, END_STREAM, stream, &grpc_message(message)));
+    out
+}
+
+/// `message` behind gRPC's 5-byte prefix (not compressed, its length).
+pub fn grpc_message(message: &[u8]) -> Vec<u8> {
+    let mut data = vec![0u8];
+    data.extend((message.len() as u32).to_be_bytes());
+    data.extend(message);
+    data
+}
+
 impl RawH2 {
     /// Connects (TCP only: nothing is sent yet).
     pub fn connect(addr: SocketAddr) -> RawH2 {
@@ -67,9 +94,7 @@ impl RawH2 {
 
     /// Sends the client preface and an empty SETTINGS frame.
     pub fn handshake(&mut self) {
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend(frame(SETTINGS, 0, 0, &[]));
-        self.stream.write_all(&hello).expect("preface");
+        self.stream.write_all(&preface(&[])).expect("preface");
     }
 
     pub fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
