@@ -276,9 +276,10 @@ async fn connect(target: &Target) -> Result<Open, SendError> {
             )
         })??;
     let closed = Arc::new(AtomicBool::new(false));
-    let ended = closed.clone();
+    let ended = MarkClosed(closed.clone());
     let ping_pong = connection.ping_pong();
     tokio::spawn(async move {
+        let _ended = ended;
         let keepalive = keep_alive(
             ping_pong,
             settings.keepalive_interval,
@@ -295,13 +296,25 @@ async fn connect(target: &Target) -> Result<Open, SendError> {
             },
             why = keepalive => why,
         };
-        ended.store(true, Ordering::Release);
         // Dropping the connection fails every stream still on it, so their
         // calls end (UNAVAILABLE, retryable) instead of waiting on a dead peer.
         drop(connection);
         tracing::debug!("request plane: an engine connection ended: {how}");
     });
     Ok(Open { sender, closed })
+}
+
+/// Marks an engine connection closed when its task ends, whichever way:
+/// returning, or unwinding from a panic. A panic while h2's internal lock
+/// is held poisons that lock, and h2 then panics on every use of the
+/// connection; marked closed, it leaves the pool and the next call opens a
+/// new one, where a flag set only on a normal return kept it there.
+struct MarkClosed(Arc<AtomicBool>);
+
+impl Drop for MarkClosed {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 /// Pings the engine every `interval` and returns why the connection must be
@@ -406,5 +419,22 @@ impl EnginePool {
     /// How many calls the engine takes at once through this pool.
     pub(crate) fn capacity(&self) -> u64 {
         u64::from(self.streams_per_connection()) * self.max_connections as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_task_that_panics_leaves_its_connection_marked_closed() {
+        let closed = Arc::new(AtomicBool::new(false));
+        let ended = MarkClosed(closed.clone());
+        let task = tokio::spawn(async move {
+            let _ended = ended;
+            panic!("as if h2's lock were poisoned");
+        });
+        assert!(task.await.expect_err("the task panicked").is_panic());
+        assert!(closed.load(Ordering::Acquire), "the pool sees it closed");
     }
 }
