@@ -92,7 +92,9 @@ pub struct RunArgs {
     /// bytes; a larger one fails that call with RESOURCE_EXHAUSTED.
     #[arg(long, env = "SIDECAR_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_message_bytes: u32,
-    /// Concurrent calls (HTTP/2 streams) one client connection may have open.
+    /// Concurrent calls (HTTP/2 streams) one client connection may have open,
+    /// and engine streams one client address may hold across its connections
+    /// (both never more than half of what the engine takes through the pool).
     #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = 2048)]
     pub max_concurrent_streams: u32,
     /// Largest header list (metadata) a client may send, and an engine answer

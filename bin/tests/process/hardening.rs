@@ -1191,14 +1191,18 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
 
-/// Two connections that set their stream window to zero and never open it,
+/// Two connections (from 127.0.0.2 and 127.0.0.3) that set their stream
+/// window to zero and never open it,
 /// each with `calls` Generate calls of 100,000 tokens: no answer byte may be
 /// sent to them, so every one of their answers waits in the sidecar.
 fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
     let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
     (0..2)
         .map(|c| {
-            let mut raw = RawH2::connect(listen);
+            // Each from an address of its own, so that both have a full
+            // budget of engine streams.
+            let source = std::net::IpAddr::from([127, 0, 0, 2 + c as u8]);
+            let mut raw = RawH2::connect_from(source, listen);
             // SETTINGS_INITIAL_WINDOW_SIZE 0.
             let mut out = raw_h2::preface(&[(0x4, 0)]);
             for n in 0..calls {
@@ -1292,6 +1296,59 @@ fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
     // 4,096 × 64 KiB held, and h2's state for each stream.
     assert!(grown_mib < 512, "the sidecar holds {grown_mib} MiB more");
     drop(stalled);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+/// Attack 6 of hardening round three, across connections: one address opens
+/// four connections, each with as many calls as the sidecar lets one
+/// connection hold (half of the 80 streams the engine takes through the
+/// pool's 4 connections). Counted per connection only, they held all 80 and
+/// a call from another address got no answer while `/ready` said 200; an
+/// address's connections now share one budget, 40, and the other caller is
+/// answered at once.
+#[test]
+fn one_address_on_many_connections_holds_no_more_engine_streams_than_one_connection_may() {
+    let dir = TempDir::new("address-budget");
+    let (mock, mut sidecar) = serving(
+        &dir.0,
+        &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
+        &[],
+    );
+    let listen = sidecar.listen;
+    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let holder: std::net::IpAddr = "127.0.0.2".parse().expect("address");
+    let held: Vec<RawH2> = (0..4)
+        .map(|c| {
+            let mut raw = RawH2::connect_from(holder, listen);
+            let mut out = raw_h2::preface(&[]);
+            for n in 0..40 {
+                let message = generate(&format!("holder-{c}-{n}"), 1_000).encode_to_vec();
+                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
+            }
+            raw.send(&out).expect("the holder's calls");
+            raw
+        })
+        .collect();
+    // Until the engine has every call the sidecar lets through, and a moment
+    // more for any it should not.
+    let started = || mock.stats()["generate_started"].as_u64().unwrap_or(0);
+    let start = std::time::Instant::now();
+    while started() < 40 && start.elapsed() < HANG {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        started(),
+        40,
+        "one address holds 40 engine streams, on any number of connections"
+    );
+    assert_eq!(
+        generate_or_give_up(listen, "another-caller", 2),
+        Ok(3),
+        "a caller at another address is answered beside the holder's 160 calls"
+    );
+    drop(held);
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }

@@ -147,6 +147,8 @@ pub(crate) struct Lease {
     target: Arc<Target>,
     /// The call's place among the connection's streams, once it opens one.
     stream: Option<OwnedSemaphorePermit>,
+    /// Its place among its caller address's engine streams, held likewise.
+    _caller: Option<OwnedSemaphorePermit>,
 }
 
 impl Lease {
@@ -154,6 +156,9 @@ impl Lease {
     /// connection first if it is not open) and sends `request`'s headers, with
     /// END_STREAM when `end_of_stream`. The answer's headers come through the
     /// [`ResponseFuture`]; the request's body, if any, goes into the stream.
+    ///
+    /// It first waits for a place among the connection's streams, held until
+    /// the call ends.
     pub(crate) async fn send(
         &mut self,
         mut request: http::Request<()>,
@@ -377,7 +382,10 @@ impl EnginePool {
 
     /// A connection for one more call: the least busy, or a new one when even
     /// that one is at the engine's limit and the pool may grow.
-    pub(crate) fn lease(&self) -> Lease {
+    ///
+    /// `caller` is the call's place among its address's engine streams,
+    /// taken before: the lease holds it until the call ends.
+    pub(crate) fn lease(&self, caller: Option<OwnedSemaphorePermit>) -> Lease {
         let mut connections = self.lock();
         let least = connections
             .iter()
@@ -402,6 +410,7 @@ impl EnginePool {
             pooled: chosen,
             target: self.target.clone(),
             stream: None,
+            _caller: caller,
         }
     }
 

@@ -20,6 +20,7 @@ use bytes::{Bytes, BytesMut};
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http_body::{Body as HttpBody, Frame};
+use tokio::sync::Semaphore;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tonic::Code;
 use tonic::body::Body;
@@ -172,12 +173,18 @@ pub(crate) fn call(
         });
     };
     let guard = InFlight {
-        lease: plane.engine.lease(),
+        lease: None,
         call,
         bytes: 0,
     };
     Box::pin(Forwarded {
-        phase: Phase::Answering(Box::pin(answer(plane, request, respond, guard))),
+        phase: Phase::Answering(Box::pin(answer(
+            plane,
+            request,
+            respond,
+            guard,
+            open.engine_streams().clone(),
+        ))),
         _open: open,
     })
 }
@@ -355,13 +362,22 @@ async fn answer(
     request: http::Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
     mut guard: InFlight,
+    caller_streams: Arc<Semaphore>,
 ) -> Option<Relay> {
     let deadline = grpc_timeout(request.headers()).map(|d| tokio::time::Instant::now() + d);
     let mut ends = Endings {
         cut: Box::pin(plane.cut_token().cancelled_owned()),
         deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
     };
-    let answered = engine_answer(&plane, &mut guard.lease, request, &mut ends, &mut respond).await;
+    let answered = engine_answer(
+        &plane,
+        &mut guard.lease,
+        &caller_streams,
+        request,
+        &mut ends,
+        &mut respond,
+    )
+    .await;
     let (response, pump) = match answered {
         Ok(answered) => answered,
         Err(why) => {
@@ -412,7 +428,8 @@ async fn answer(
 /// returned pump.
 async fn engine_answer(
     plane: &Arc<Plane>,
-    lease: &mut Lease,
+    lease: &mut Option<Lease>,
+    caller_streams: &Arc<Semaphore>,
     request: http::Request<RecvStream>,
     ends: &mut Endings,
     respond: &mut SendResponse<Bytes>,
@@ -444,7 +461,14 @@ async fn engine_answer(
         }
     }
     let opened = {
-        let mut send = pin!(lease.send(request, end_of_stream));
+        // A place among the engine streams of the caller's address first,
+        // then an engine connection: the least busy among the calls that
+        // have one, so a call waiting here counts on no connection.
+        let mut send = pin!(async {
+            let caller = caller_streams.clone().acquire_owned().await.ok();
+            let lease = lease.insert(plane.engine.lease(caller));
+            lease.send(request, end_of_stream).await
+        });
         poll_fn(|cx| {
             if let Some(ending) = ends.poll(cx) {
                 return Poll::Ready(Err(Unanswered::Ended(ending)));
@@ -598,8 +622,9 @@ impl Ending {
 /// keeps both counts exact whatever ends the call: its end, a caller's cancel, a
 /// cut, a panic.
 struct InFlight {
-    /// The engine connection the call runs on.
-    lease: Lease,
+    /// The engine connection the call runs on, once it has a place among
+    /// its caller address's engine streams.
+    lease: Option<Lease>,
     /// The gate's side: dropped after `Drop for InFlight` ran, so the bytes
     /// are counted before the call leaves the gate.
     call: Admitted,

@@ -19,6 +19,7 @@ use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Semaphore;
 
 use crate::h2_frames::{ENHANCE_YOUR_CALM, FrameHead, FrameReader, flag, goaway, kind};
 
@@ -35,11 +36,15 @@ pub(crate) struct Watched {
     idle_since_ms: AtomicU64,
     /// Streams of the sidecar's own health service open on the connection.
     own_health: AtomicUsize,
+    /// The engine streams the caller's address may hold, shared with its
+    /// other connections.
+    engine_streams: Arc<Semaphore>,
 }
 
 impl Watched {
-    pub(crate) fn new() -> Arc<Self> {
+    pub(crate) fn new(engine_streams: Arc<Semaphore>) -> Arc<Self> {
         Arc::new(Watched {
+            engine_streams,
             born: Instant::now(),
             handshake_done: AtomicBool::new(false),
             active: AtomicUsize::new(0),
@@ -73,6 +78,11 @@ impl Watched {
 pub(crate) struct OpenCall(Arc<Watched>);
 
 impl OpenCall {
+    /// The engine streams the call's caller address may hold.
+    pub(crate) fn engine_streams(&self) -> &Arc<Semaphore> {
+        &self.0.engine_streams
+    }
+
     /// A place for this call among the connection's own-health streams, if
     /// fewer than `cap` are open; held until the guard is dropped.
     pub(crate) fn own_health_slot(&self, cap: usize) -> Option<OwnHealthSlot> {

@@ -18,12 +18,13 @@
 //! handshake and idle timeouts, GOAWAY, lingering close), [`frame_watch`]
 //! (each caller's frames: handshake, open calls, flood budget), [`forward`]
 //! (routing, refusal, forwarding and the bodies), [`engine_pool`] (the engine
-//! connections), [`framing`] (gRPC framing and `grpc-timeout`, pure),
+//! connections), [`caller_streams`] (engine streams per caller address), [`framing`] (gRPC framing and `grpc-timeout`, pure),
 //! [`outcome`] (how each call ended, the counters), [`own_health`] (the
 //! sidecar's health service).
 
 mod accept;
 mod admitted;
+mod caller_streams;
 mod calls;
 mod engine_pool;
 mod forward;
@@ -145,6 +146,8 @@ pub(crate) struct Plane {
     pub(crate) connections_open: AtomicUsize,
     /// Caller connections closed at once because `max_connections` were open.
     pub(crate) connections_refused: AtomicU64,
+    /// The engine streams each caller address may hold.
+    pub(crate) caller_streams: caller_streams::CallerStreams,
 }
 
 impl Plane {
@@ -177,6 +180,7 @@ impl Plane {
             limits,
             connections_open: AtomicUsize::new(0),
             connections_refused: AtomicU64::new(0),
+            caller_streams: caller_streams::CallerStreams::default(),
         }
     }
 

@@ -92,6 +92,35 @@ impl RawH2 {
         RawH2 { stream }
     }
 
+    /// Connects from `source` (another loopback address, say): a caller at
+    /// an address of its own.
+    pub fn connect_from(source: std::net::IpAddr, addr: SocketAddr) -> RawH2 {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("runtime");
+        let stream = runtime.block_on(async {
+            let socket = match source {
+                std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+                std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+            }
+            .expect("socket");
+            socket
+                .bind(SocketAddr::new(source, 0))
+                .expect("bind the source");
+            socket
+                .connect(addr)
+                .await
+                .expect("connect to the request plane")
+        });
+        let stream = stream.into_std().expect("a std socket");
+        stream.set_nonblocking(false).expect("blocking");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("read timeout");
+        RawH2 { stream }
+    }
+
     /// Sends the client preface and an empty SETTINGS frame.
     pub fn handshake(&mut self) {
         self.stream.write_all(&preface(&[])).expect("preface");
