@@ -3,12 +3,13 @@
 # sidecar with no attack, while one caller holds every engine stream, and while
 # a caller floods PING, SETTINGS, PRIORITY or WINDOW_UPDATE frames, on one
 # connection (once) and reconnecting whenever the sidecar cuts it (again); and
-# beside callers that never open their window (round three, attack 3), with
-# the sidecar's RSS. docs/RELIABILITY.md ("Hardening") quotes a run.
+# beside round three's callers (clients/h2_attack.py: zero windows, a caller
+# that never reads, rapid reset, half-open and early-ended calls), with the
+# sidecar's RSS. docs/RELIABILITY.md ("Hardening") quotes a run.
 #
 #   bash scripts/attacks.sh [path/to/llm-sidecar]     (default: the release build)
 #
-# ATTACKS=stall runs only the zero-window callers.
+# ATTACKS=round3 runs only round three's attacks.
 # MOCK=path/to/llm-sidecar runs the mock engine from another build (an older
 # sidecar's own mock may lack --max-concurrent-streams).
 # Needs python3 (for the flooder). Ports 47000-47099 on loopback.
@@ -18,7 +19,7 @@ bin=${1:-target/release/llm-sidecar}
 [ -x "$bin" ] || cargo build --release --locked -p llm-sidecar
 mock=${MOCK:-$bin}
 flood=bin/tests/process/clients/h2_flood.py
-stall=bin/tests/process/clients/h2_stall.py
+attack=bin/tests/process/clients/h2_attack.py
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 
@@ -67,16 +68,21 @@ echo "                                $(timeout 60 bash -c "$(declare -f calm); 
 stop
 fi
 
-# Callers with a window of zero: 400 calls of tokens paced 1 ms apart, then
-# 4,096 calls of tokens as fast as the engine makes them, each held 40 s; the
-# well-behaved caller runs for 30 s from 1 s after they start.
-for spec in "1ms 200" "0ms 2048"; do
-  set -- $spec
-  start --token-delay "$1"
-  python3 "$stall" 127.0.0.1:47061 2 "$2" 100000 40 >"$work/stall.json" &
-  sleep 1
-  echo "zero-window callers, 2 x $2 calls, tokens every $1:"
-  echo "                                $(timeout 90 bash -c "$(declare -f calm); bin=$bin; calm 47061 30s" || echo 'no call completed within 90 s'); sidecar RSS $(rss)"
-  grep -o 'too_many_data_frames' "$work/sidecar.log" | head -1 || true
+# Round three: each attack for 20 s; the well-behaved caller runs 10 s from
+# 5 s after it starts; the sidecar's RSS at its end. CALLS sets the calls per
+# connection of zero_window (200).
+round3() { # label, attack mode, mock flags...
+  local label=$1 mode=$2; shift 2
+  start "$@"
+  python3 "$attack" 127.0.0.1:47061 "$mode" 20 >"$work/attack.json" &
+  sleep 5
+  result=$(timeout 90 bash -c "$(declare -f calm); bin=$bin; calm 47061 10s" || echo 'no call completed within 90 s')
+  echo "$(printf '%-32s' "$label"): $result; sidecar RSS $(rss)"
   stop
-done
+}
+round3 "zero-window, 2 x 200, 1 ms tokens" zero_window --token-delay 1ms
+CALLS=2048 round3 "zero-window, 2 x 2048" zero_window
+round3 "never reads, 512 x 20,000 tokens" never_read
+round3 "rapid reset, 4 connections" rapid_reset
+round3 "half-open calls, 2 x 1,000" half_open --max-concurrent-streams 20
+round3 "early-ended calls, 1 connection" early_end
