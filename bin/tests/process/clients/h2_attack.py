@@ -15,7 +15,8 @@ server sends unless the mode says otherwise:
 - early_end: 1 connection, calls that start a message whose length prefix is
   over the limit and go on sending (attack 7).
 
-Prints, as JSON, the calls started, the response HEADERS and the GOAWAY codes
+Every connection comes from SOURCE (env, 127.0.0.2). Prints, as JSON, the
+calls started, the response HEADERS and the GOAWAY codes
 received.
 """
 import json
@@ -114,7 +115,9 @@ def read_for(sock: socket.socket, deadline: float, result: dict, lock: threading
 
 
 def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict, lock) -> None:
-    sock = socket.create_connection((host, port))
+    # From an address of its own (SOURCE, 127.0.0.2), as another caller on
+    # the pod network: the well-behaved caller beside it is not its address.
+    sock = socket.create_connection((host, port), source_address=(os.environ.get("SOURCE", "127.0.0.2"), 0))
     block = headers_block(host, port)
     deadline = time.monotonic() + seconds
     started = 0
