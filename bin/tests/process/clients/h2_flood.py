@@ -20,6 +20,18 @@ def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
 
 
+def split_frames(buf: bytes):
+    """The whole frames at the start of `buf` as (type, payload), and the rest."""
+    frames = []
+    while len(buf) >= 9:
+        length = int.from_bytes(buf[:3], "big")
+        if len(buf) < 9 + length:
+            break
+        frames.append((buf[3], buf[9:9 + length]))
+        buf = buf[9 + length:]
+    return frames, buf
+
+
 FLOODS = {
     "ping": frame(0x6, 0, 0, b"floodfld"),
     "settings": frame(0x4, 0, 0, b""),
@@ -44,14 +56,10 @@ def flood_once(host: str, port: int, kind: str, deadline: float, result: dict) -
             if not data:
                 closed.set()
                 return
-            buf += data
-            while len(buf) >= 9:
-                length = int.from_bytes(buf[:3], "big")
-                if len(buf) < 9 + length:
-                    break
-                if buf[3] == 0x7 and length >= 8:
-                    result["goaway_codes"].add(int.from_bytes(buf[13:17], "big"))
-                buf = buf[9 + length:]
+            frames, buf = split_frames(buf + data)
+            for kind, payload in frames:
+                if kind == 0x7 and len(payload) >= 8:
+                    result["goaway_codes"].add(int.from_bytes(payload[4:8], "big"))
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
