@@ -854,24 +854,6 @@ fn linger(plane: &Plane, body: RecvStream) {
     }
 }
 
-/// Appends `data` to an answer held for its caller, growing the buffer by
-/// doubling but never past a stream window unless it must: that is all the
-/// engine can have sent unreleased, and thousands of stalled calls each
-/// holding twice that (a growing buffer's spare room) cost twice the memory.
-fn hold(held: &mut BytesMut, data: &[u8]) {
-    let needed = held.len() + data.len();
-    if held.capacity() < needed {
-        let room = needed
-            .next_power_of_two()
-            .min(ENGINE_STREAM_WINDOW as usize)
-            .max(needed);
-        let mut grown = BytesMut::with_capacity(room);
-        grown.extend_from_slice(held);
-        *held = grown;
-    }
-    held.extend_from_slice(data);
-}
-
 /// The engine's answer on its way to the caller, once its headers went out,
 /// and the rest of the caller's request still going into the engine stream.
 struct Relay {
@@ -923,22 +905,18 @@ impl Relay {
         }
         loop {
             // What waits for the caller's window goes first.
-            let window = if self.held.is_empty() {
-                None
-            } else {
-                match poll_window(&mut self.caller, cx) {
+            let waiting_for_window = !self.held.is_empty()
+                && match poll_window(&mut self.caller, cx) {
                     Poll::Ready(Ok(())) => {
-                        let held = std::mem::take(&mut self.held).freeze();
-                        self.held_bytes(held.len(), false);
+                        let held = self.take_held();
                         if self.pass_on(held).is_err() {
                             return Poll::Ready(());
                         }
                         continue;
                     }
                     Poll::Ready(Err(())) => return Poll::Ready(()),
-                    Poll::Pending => Some(()),
-                }
-            };
+                    Poll::Pending => true,
+                };
             let Some(engine) = self.engine.as_mut() else {
                 return Poll::Ready(());
             };
@@ -948,18 +926,15 @@ impl Relay {
                         if self.limiter.feed(&data).is_err() {
                             return self.end_too_large();
                         }
-                        if window.is_none() && self.caller.capacity() > 0 {
+                        if !waiting_for_window && self.caller.capacity() > 0 {
                             if self.pass_on(data).is_err() {
                                 return Poll::Ready(());
                             }
                         } else {
                             // Held, its window kept from the engine until it
                             // goes out: the engine sends at the caller's pace.
-                            hold(&mut self.held, &data);
-                            self.held_bytes(data.len(), true);
-                            if self.caller.capacity() == 0 {
-                                self.caller.reserve_capacity(1);
-                            }
+                            // (The next round asks for the caller's window.)
+                            self.hold(&data);
                         }
                         continue;
                     }
@@ -968,7 +943,7 @@ impl Relay {
                     Poll::Pending => return self.wait_for_engine(cx),
                 }
             }
-            if window.is_some() {
+            if waiting_for_window {
                 // The answer is all read; the rest of it waits for the
                 // caller's window before the trailers can follow.
                 return self.wait_for_engine(cx);
@@ -989,14 +964,37 @@ impl Relay {
         }
     }
 
-    /// Counts bytes of an answer held for the caller (`true`) or no longer.
-    fn held_bytes(&self, bytes: usize, held: bool) {
-        let gauge = &self.guard.call.plane().counters.answer_bytes_held;
-        if held {
-            gauge.fetch_add(bytes as u64, Ordering::Relaxed);
-        } else {
-            gauge.fetch_sub(bytes as u64, Ordering::Relaxed);
+    /// Holds `data` of the answer for the caller, counted in
+    /// `llm_sidecar_answer_bytes_held`. The buffer grows by doubling but
+    /// never past a stream window unless it must: that is all the engine can
+    /// have sent unreleased, and thousands of stalled calls each holding
+    /// twice that (a growing buffer's spare room) cost twice the memory.
+    fn hold(&mut self, data: &[u8]) {
+        let needed = self.held.len() + data.len();
+        if self.held.capacity() < needed {
+            let room = needed
+                .next_power_of_two()
+                .min(ENGINE_STREAM_WINDOW as usize)
+                .max(needed);
+            let mut grown = BytesMut::with_capacity(room);
+            grown.extend_from_slice(&self.held);
+            self.held = grown;
         }
+        self.held.extend_from_slice(data);
+        self.held_gauge()
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+    }
+
+    /// All that is held, to go on to the caller now.
+    fn take_held(&mut self) -> Bytes {
+        let held = std::mem::take(&mut self.held).freeze();
+        self.held_gauge()
+            .fetch_sub(held.len() as u64, Ordering::Relaxed);
+        held
+    }
+
+    fn held_gauge(&self) -> &std::sync::atomic::AtomicU64 {
+        &self.guard.call.plane().counters.answer_bytes_held
     }
 
     /// Sends `data` of the engine's answer on to the caller and gives its
@@ -1064,9 +1062,7 @@ impl Relay {
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        if !self.held.is_empty() {
-            self.held_bytes(self.held.len(), false);
-        }
+        self.take_held();
     }
 }
 
