@@ -72,9 +72,14 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub context_length: Option<u32>,
 
-    /// Admin HTTP server: /live, /ready, /state, /metrics (llm-sidecar's).
-    #[arg(long, env = "SIDECAR_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
-    pub admin_listen: SocketAddr,
+    /// llm-sidecar's admin HTTP server (/live, /ready, /health, /state,
+    /// /metrics), off unless given, so that workers started with Dynamo's
+    /// sidecar's arguments never collide on a port. Dynamo's own system port
+    /// (DYN_SYSTEM_PORT: /live, /health, /metrics with the dynamo_component_*
+    /// gauges) is served as in every Dynamo process, its /health following
+    /// this worker's lifecycle.
+    #[arg(long, env = "SIDECAR_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
 
     #[command(flatten)]
     pub lifecycle: LifecycleFlags,
@@ -183,10 +188,21 @@ impl Args {
                 "llm-sidecar-dynamo registers in file or etcd discovery",
             ));
         }
-        // Dynamo reads these itself; a value it would refuse later is refused now.
+        // Dynamo reads these itself; a value it would refuse later is refused
+        // now: the flags, and its runtime's DYN_SYSTEM_* / DYN_RUNTIME_*
+        // variables (DYN_SYSTEM_PORT is an i16 in Dynamo 1.6.1, so 40000 is
+        // refused there, which would otherwise be retried as "discovery not
+        // reachable" until the start-up deadline).
         c.runtime
             .to_distributed_config()
             .map_err(|e| unsupported("--request-plane", "", &e.to_string()))?;
+        dynamo_runtime::config::RuntimeConfig::from_settings().map_err(|e| {
+            unsupported(
+                "DYN_SYSTEM_* / DYN_RUNTIME_* (Dynamo's runtime settings)",
+                "",
+                &format!("{e:#}"),
+            )
+        })?;
         if self.model_path.is_empty() {
             return Err(unsupported(
                 "--model-path",

@@ -4,13 +4,14 @@
 //! the core's drain counts it, the drain deadline cuts it, and the call
 //! account at exit includes it.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use dynamo_backend_common::{
     AsyncEngineContext, BackendError, DynamoError, EngineConfig, ErrorType, GenerateContext,
-    LLMEngine, LLMEngineOutput, LlmRegistration, PreprocessedRequest, usage,
+    LLMEngine, LLMEngineOutput, LlmRegistration, MetricsBindings, MetricsCtx, PreprocessedRequest,
+    usage,
 };
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -21,7 +22,10 @@ use llm_sidecar_engine_api::openengine::{
 };
 use llm_sidecar_engine_api::prost_types;
 use llm_sidecar_io::request_plane::{Admitted, CallOutcome, HostedCalls};
+use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
+
+use crate::load::{self, Capacity};
 
 /// The message of a request refused while admission is closed.
 const DRAINING: &str = "worker draining; retry on another worker";
@@ -52,18 +56,34 @@ pub struct Bridge {
     next: AtomicUsize,
     calls: HostedCalls,
     served: Served,
+    /// What the engine reported of its KV cache at this worker's start.
+    capacity: Mutex<Capacity>,
+    /// Ends the load poller with this worker.
+    stop: CancellationToken,
 }
 
 impl Bridge {
-    /// A bridge over `channels` (at least one; calls take them in turn).
-    pub fn new(channels: Vec<Channel>, calls: HostedCalls, served: Served) -> Self {
+    /// A bridge over `channels` (at least one; calls take them in turn),
+    /// whose background work ends with `stop`.
+    pub fn new(
+        channels: Vec<Channel>,
+        calls: HostedCalls,
+        served: Served,
+        stop: CancellationToken,
+    ) -> Self {
         assert!(!channels.is_empty(), "at least one engine channel");
         Bridge {
             channels,
             next: AtomicUsize::new(0),
             calls,
             served,
+            capacity: Mutex::new(Capacity::default()),
+            stop,
         }
+    }
+
+    fn capacity(&self) -> Capacity {
+        *self.capacity.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn channel(&self) -> Channel {
@@ -231,15 +251,50 @@ fn step(message: GenerateResponse, prompt_len: u32, generated: &mut u32) -> Opti
 #[async_trait]
 impl LLMEngine for Bridge {
     async fn start(&self, _worker_id: u64) -> Result<EngineConfig, DynamoError> {
-        // The engine answered its start-up calls before llm-sidecar registered.
+        // The engine answered its start-up calls before llm-sidecar
+        // registered; its capacity is read here, for the registration.
+        let capacity = load::read_capacity(self.channel())
+            .await
+            .map_err(|status| status_error(&status, true).0)?;
+        *self.capacity.lock().unwrap_or_else(|p| p.into_inner()) = capacity;
+        if capacity.ranks().is_empty() {
+            tracing::info!(
+                "the engine reports no KV block size and total (GetServerInfo capacity): \
+                 the registration carries none and no load is published; Dynamo's KV \
+                 router treats this worker as one it knows nothing about"
+            );
+        }
         Ok(EngineConfig {
             model: self.served.name.clone(),
             served_model_name: Some(self.served.name.clone()),
             llm: Some(LlmRegistration {
                 context_length: self.served.context_length,
+                kv_cache_block_size: capacity.kv_block_size,
+                total_kv_blocks: capacity.total_kv_blocks,
+                max_num_seqs: capacity.max_running_requests,
+                max_num_batched_tokens: capacity.max_batched_tokens,
+                data_parallel_size: Some(capacity.data_parallel_size),
+                data_parallel_start_rank: Some(capacity.data_parallel_start_rank),
                 ..Default::default()
             }),
             ..Default::default()
+        })
+    }
+
+    /// Declares the ranks whose load is published, and starts the `GetLoad`
+    /// poller once Dynamo hands over its snapshot publisher.
+    async fn setup_metrics(&self, _ctx: MetricsCtx<'_>) -> Result<MetricsBindings, DynamoError> {
+        let ranks = self.capacity().ranks();
+        if ranks.is_empty() {
+            return Ok(MetricsBindings::default());
+        }
+        let (channel, stop, poller_ranks) = (self.channel(), self.stop.clone(), ranks.clone());
+        Ok(MetricsBindings {
+            dp_ranks: ranks,
+            on_publisher_ready: Some(Box::new(move |publisher| {
+                load::spawn_poller(channel, publisher, poller_ranks, stop);
+                Ok(())
+            })),
         })
     }
 

@@ -7,11 +7,14 @@
 //! layer as `llm-sidecar run` with the OpenEngine profile: the start-up wait,
 //! the liveness Watch, the stale `GetLoad`, the identity, keepalive, and the
 //! lifecycle that withdraws, drains and exits. This crate holds only the glue:
-//! the flags ([`args`]), the request translation ([`bridge`]) and Dynamo's
-//! discovery as the core's registry ([`registry`]).
+//! the flags ([`args`]), the request translation ([`bridge`]), the engine's
+//! KV capacity and load for Dynamo's router ([`load`]) and Dynamo's discovery
+//! as the core's registry ([`registry`]).
 
 mod args;
 mod bridge;
+mod load;
+mod own_channels;
 mod registry;
 
 use std::sync::Arc;

@@ -1,16 +1,21 @@
 //! Dynamo's discovery as llm-sidecar's registry: the core's `Register` runs
-//! Dynamo's own `Worker` (which writes the instance record and the model
-//! card, and serves Dynamo's request plane through the [`Bridge`]); the core's
-//! `Withdraw` cancels that worker's shutdown token and removes both records at
-//! once. Each write is confirmed by reading Dynamo's discovery back, so the
-//! core's book of discovery writes stays true.
+//! Dynamo's own `Worker` (which writes the instance record, the model card and
+//! its event channels, and serves Dynamo's request plane through the
+//! [`Bridge`]); the core's `Withdraw` cancels that worker's shutdown token and
+//! removes every record of this worker at once. Each write is confirmed by
+//! reading Dynamo's discovery back, so the core's book of discovery writes
+//! stays true. Dynamo's system port (`DYN_SYSTEM_PORT`) follows along by
+//! itself: its `/health` is ready once Dynamo's worker serves its endpoint, and
+//! not from that worker's shutdown on, which the withdrawal starts.
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use dynamo_backend_common::{Worker, WorkerConfig};
 use dynamo_runtime::DistributedRuntime;
-use dynamo_runtime::discovery::{DiscoveryInstance, DiscoveryQuery};
+use dynamo_runtime::discovery::{
+    DiscoveryInstance, DiscoveryQuery, EventChannelQuery, EventSourceQuery, EventTransport,
+};
 use llm_sidecar_io::discovery::{Discovery, DiscoveryError, ListedRecord, Record};
 use llm_sidecar_io::request_plane::HostedCalls;
 use tokio::sync::mpsc;
@@ -19,12 +24,26 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 use crate::bridge::{Bridge, Served};
+use crate::own_channels;
 
 /// How often discovery is read back while a write settles.
 const SETTLE_POLL: Duration = Duration::from_millis(20);
 
 /// How often a registered worker's records are looked for.
 const WATCH_POLL: Duration = Duration::from_secs(1);
+
+/// This worker's records in Dynamo's discovery.
+struct Ours {
+    /// The instance record (`v1/instances/...`).
+    instance: bool,
+    /// Model cards (`v1/mdc/...`), event sources, and (when asked for) the
+    /// event channels this process publishes (`v1/event_channels/...`):
+    /// Dynamo's worker leaves these behind until its own cleanup or the
+    /// process's exit, so the withdrawal removes them itself.
+    rest: Vec<DiscoveryInstance>,
+    /// Whether a model card is among `rest`: registered means instance and card.
+    card: bool,
+}
 
 /// The running Dynamo worker of the current registration.
 struct Running {
@@ -78,9 +97,10 @@ impl DynamoRegistry {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// This worker's records in Dynamo's discovery now: (instance, model cards).
-    async fn ours(&self) -> Result<(bool, Vec<DiscoveryInstance>), DiscoveryError> {
-        ours(&self.drt, &self.worker, self.id()).await
+    /// This worker's records in Dynamo's discovery now; its event channels
+    /// only if `channels`.
+    async fn ours(&self, channels: bool) -> Result<Ours, DiscoveryError> {
+        ours(&self.drt, &self.worker, self.id(), channels).await
     }
 
     /// The context length to register: the flag's, else the engine's; a
@@ -109,8 +129,13 @@ impl DynamoRegistry {
             engine_model: record.model.name.clone(),
             context_length: self.context_length(record),
         };
-        let bridge = Arc::new(Bridge::new(self.channels.clone(), calls, served));
         let shutdown = CancellationToken::new();
+        let bridge = Arc::new(Bridge::new(
+            self.channels.clone(),
+            calls,
+            served,
+            shutdown.clone(),
+        ));
         let worker = Worker::new(bridge, self.worker.clone());
         let drt = self.drt.clone();
         let token = shutdown.clone();
@@ -128,13 +153,15 @@ impl DynamoRegistry {
     }
 }
 
-/// This worker's records in discovery: whether its instance is there, and
-/// its model cards.
+/// This worker's records in discovery: its instance, model cards, event
+/// sources, and with `channels` the event channels this process publishes in
+/// its namespace.
 async fn ours(
     drt: &DistributedRuntime,
     worker: &WorkerConfig,
     id: u64,
-) -> Result<(bool, Vec<DiscoveryInstance>), DiscoveryError> {
+    channels: bool,
+) -> Result<Ours, DiscoveryError> {
     let read = |e: anyhow::Error| DiscoveryError::Io {
         path: "Dynamo discovery".into(),
         source: std::io::Error::other(format!("{e:#}")),
@@ -156,13 +183,39 @@ async fn ours(
         })
         .await
         .map_err(read)?;
-    Ok((
-        instances.iter().any(|i| i.instance_id() == id),
-        cards
-            .into_iter()
-            .filter(|c| c.instance_id() == id)
-            .collect(),
-    ))
+    let mut rest: Vec<_> = cards
+        .into_iter()
+        .filter(|c| c.instance_id() == id)
+        .collect();
+    if channels {
+        let sources = discovery
+            .list(DiscoveryQuery::EventSources(EventSourceQuery::all()))
+            .await
+            .map_err(read)?;
+        rest.extend(sources.into_iter().filter(|s| s.instance_id() == id));
+        let listening = own_channels::listening_ports();
+        let channels = discovery
+            .list(DiscoveryQuery::EventChannels(EventChannelQuery::all()))
+            .await
+            .map_err(read)?;
+        rest.extend(channels.into_iter().filter(|c| match c {
+            DiscoveryInstance::EventChannel {
+                scope,
+                transport: EventTransport::Zmq { endpoint },
+                ..
+            } => {
+                scope.namespace() == worker.namespace && own_channels::is_ours(endpoint, &listening)
+            }
+            _ => false,
+        }));
+    }
+    Ok(Ours {
+        instance: instances.iter().any(|i| i.instance_id() == id),
+        card: rest
+            .iter()
+            .any(|r| matches!(r, DiscoveryInstance::Model { .. })),
+        rest,
+    })
 }
 
 /// Reports a lost registration when either record leaves discovery on its
@@ -180,10 +233,16 @@ fn watch(
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(WATCH_POLL) => {}
             }
-            let cause = match ours(&drt, &worker, id).await {
-                Ok((true, cards)) if !cards.is_empty() => continue,
-                Ok((false, _)) => "the instance record left Dynamo's discovery",
-                Ok((true, _)) => "the model card left Dynamo's discovery",
+            let cause = match ours(&drt, &worker, id, false).await {
+                Ok(Ours {
+                    instance: true,
+                    card: true,
+                    ..
+                }) => continue,
+                Ok(Ours {
+                    instance: false, ..
+                }) => "the instance record left Dynamo's discovery",
+                Ok(_) => "the model card left Dynamo's discovery",
                 // A read that fails is not a lost record; the next one decides.
                 Err(_) => continue,
             };
@@ -220,8 +279,11 @@ impl Discovery for DynamoRegistry {
             }
         }
         loop {
-            if let (true, cards) = self.ours().await?
-                && !cards.is_empty()
+            if let Ours {
+                instance: true,
+                card: true,
+                ..
+            } = self.ours(false).await?
             {
                 break;
             }
@@ -266,8 +328,8 @@ impl Discovery for DynamoRegistry {
         }
         let discovery = self.drt.discovery();
         loop {
-            let (instance, cards) = self.ours().await?;
-            if !instance && cards.is_empty() {
+            let Ours { instance, rest, .. } = self.ours(true).await?;
+            if !instance && rest.is_empty() {
                 return Ok(());
             }
             if instance && self.running().is_none() {
@@ -276,11 +338,12 @@ impl Discovery for DynamoRegistry {
                     "an instance record with this worker's id is there, and no worker runs".into(),
                 ));
             }
-            // Dynamo's worker leaves its model card to expire with its lease;
-            // the card goes now, so no frontend lists a model nobody serves.
-            for card in cards {
-                if let Err(e) = discovery.unregister(card).await {
-                    tracing::debug!("model card removal failed, retrying: {e:#}");
+            // Dynamo's worker leaves its model card and its event channels to
+            // expire with its lease; they go now, so no frontend lists a model
+            // nobody serves and no router subscribes to a publisher that left.
+            for record in rest {
+                if let Err(e) = discovery.unregister(record).await {
+                    tracing::debug!("discovery record removal failed, retrying: {e:#}");
                 }
             }
             tokio::time::sleep(SETTLE_POLL).await;
@@ -295,7 +358,7 @@ impl Discovery for DynamoRegistry {
 
     fn location(&self, record: &Record) -> String {
         format!(
-            "Dynamo discovery v1/instances/{}/{}/{}/{:x} and its model card",
+            "Dynamo discovery v1/instances/{}/{}/{}/{:x}, its model card and event channels",
             record.namespace,
             record.component,
             record.endpoint,

@@ -135,8 +135,9 @@ pub struct RunConfig {
     pub listen: SocketAddr,
     /// The address written to discovery, `host:port`.
     pub advertise: String,
-    /// Where the admin HTTP server listens.
-    pub admin_listen: SocketAddr,
+    /// Where the admin HTTP server listens; `None`: no admin server (the
+    /// Dynamo worker's default, so that workers on one host never collide).
+    pub admin_listen: Option<SocketAddr>,
     /// Where the record goes.
     pub discovery: DiscoveryUri,
     /// Discovery key: namespace.

@@ -230,7 +230,10 @@ impl Driver {
     ) -> Result<Driver, RunError> {
         config.limits.max_connections =
             crate::net::room_for_connections(config.limits.max_connections);
-        let admin_listener = crate::net::bind("admin", config.admin_listen).await?;
+        let admin_listener = match config.admin_listen {
+            Some(address) => Some(crate::net::bind("admin", address).await?),
+            None => None,
+        };
         let listener = match front {
             Front::Proxy => Some(crate::net::bind("request plane", config.listen).await?),
             Front::Hosted { .. } => None,
@@ -637,17 +640,19 @@ fn engine_side(
 /// `root` is cancelled; the request plane's connections are tracked by
 /// `connections`.
 fn spawn_servers(
-    (admin_listener, listener): (TcpListener, Option<TcpListener>),
+    (admin_listener, listener): (Option<TcpListener>, Option<TcpListener>),
     config: &RunConfig,
     plane: &Arc<Plane>,
     status: &Shared,
     (root, connections): (&CancellationToken, &TaskTracker),
 ) {
-    tokio::spawn(admin::http::serve(
-        admin_listener,
-        admin::routes::handler(status.clone(), plane.clone()),
-        root.child_token(),
-    ));
+    if let Some(admin_listener) = admin_listener {
+        tokio::spawn(admin::http::serve(
+            admin_listener,
+            admin::routes::handler(status.clone(), plane.clone()),
+            root.child_token(),
+        ));
+    }
     if let Some(listener) = listener {
         tokio::spawn(request_plane::serve(
             listener,
@@ -684,7 +689,7 @@ fn log_start(config: &RunConfig, front: Front, instance_hex: &str) {
     tracing::info!(
         engine = %config.engine_endpoint,
         discovery = %config.discovery,
-        admin = %config.admin_listen,
+        admin = %config.admin_listen.map_or("off".to_string(), |a| a.to_string()),
         request_plane = match (front, &config.tls) {
             (Front::Hosted { .. }, _) => "hosted (another system's request plane)",
             (Front::Proxy, None) => "h2 plaintext",

@@ -6,6 +6,7 @@
 //! | `/unregister?service=S` | remove a health service (Watch then sees SERVICE_UNKNOWN) |
 //! | `/stall` | SGLang's stall: the scheduler produced nothing with requests pending, so its service turns NOT_SERVING (SGLang after 30 s; the mock at once) |
 //! | `/getload?mode=ok\|stall\|unavailable\|unimplemented` | how GetLoad (OpenEngine) and GetLoads (vLLM, SGLang) answer: unavailable is TensorRT-LLM's stale KV snapshot, unimplemented a servicer older than the RPC |
+//! | `/load?used_kv_blocks=N&running=N&queued=N` | the load OpenEngine's GetLoad reports (each parameter optional; blocks of 8,192, 32 tokens each) |
 //! | `/watch/end[?trailers=false]` | end every open Watch stream with OK (or with no trailers at all) |
 //! | `/watch/hold?on=true\|false` | hold back (or release) the first message of Watch streams |
 //! | `/watch/fail?code=N&message=M` | fail every open Watch stream with that status |
@@ -62,6 +63,28 @@ fn route(state: &State, req: &Request) -> Response {
             };
             *lock(&state.load_mode) = mode;
             Response::text(200, format!("load = {mode:?}\n"))
+        }
+        "/load" => {
+            let mut kv = *lock(&state.kv);
+            for (name, slot) in [("running", &mut kv.running), ("queued", &mut kv.queued)] {
+                match req.param(name).map(str::parse::<u32>) {
+                    None => {}
+                    Some(Ok(v)) => *slot = v,
+                    Some(Err(_)) => return Response::text(400, format!("{name}: a count\n")),
+                }
+            }
+            match req.param("used_kv_blocks").map(str::parse::<u64>) {
+                None => {}
+                Some(Ok(v)) if v <= crate::TOTAL_KV_BLOCKS => kv.used_blocks = v,
+                Some(_) => {
+                    return Response::text(
+                        400,
+                        format!("used_kv_blocks: 0 to {}\n", crate::TOTAL_KV_BLOCKS),
+                    );
+                }
+            }
+            *lock(&state.kv) = kv;
+            Response::text(200, format!("{kv:?}\n"))
         }
         "/watch/end" => {
             let without_trailers = req.param("trailers") == Some("false");

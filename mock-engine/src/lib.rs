@@ -178,7 +178,28 @@ pub(crate) struct State {
     /// When the mock started, in whole Unix seconds (SGLang's `start_time`).
     pub(crate) start_unix_secs: i64,
     pub(crate) load_mode: Mutex<LoadMode>,
+    /// The KV cache's load as OpenEngine's GetLoad reports it (set through
+    /// the control endpoint's `/load`).
+    pub(crate) kv: Mutex<KvLoad>,
 }
+
+/// The mock's KV cache as OpenEngine reports it: a fixed block size and
+/// total (GetServerInfo's capacity, as TensorRT-LLM's newer servers fill it),
+/// and a load the control endpoint sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KvLoad {
+    pub(crate) used_blocks: u64,
+    pub(crate) running: u32,
+    pub(crate) queued: u32,
+}
+
+/// Tokens per KV block (GetServerInfo `capacity.kv_block_size`); not Dynamo's
+/// default of 16, so a registration visibly carries the engine's value.
+pub(crate) const KV_BLOCK_SIZE: u32 = 32;
+
+/// KV blocks of the whole cache (`capacity.total_kv_blocks`, GetLoad's
+/// `total_kv_blocks`).
+pub(crate) const TOTAL_KV_BLOCKS: u64 = 8192;
 
 impl State {
     pub(crate) fn set_status(&self, service: &str, status: i32) {
@@ -336,6 +357,11 @@ pub async fn run(
             LoadMode::Unimplemented
         } else {
             LoadMode::Ok
+        }),
+        kv: Mutex::new(KvLoad {
+            used_blocks: 0,
+            running: 0,
+            queued: 0,
         }),
     });
 

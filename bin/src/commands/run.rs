@@ -35,7 +35,7 @@ pub struct RunArgs {
     /// The address written to discovery for clients to call (default: --listen).
     #[arg(long, env = "SIDECAR_ADVERTISE")]
     pub advertise: Option<String>,
-    /// Admin HTTP server: /live, /ready, /state, /metrics. Keep it on loopback
+    /// Admin HTTP server: /live, /ready (also /health), /state, /metrics. Keep it on loopback
     /// unless something outside the pod must scrape it.
     #[arg(long, env = "SIDECAR_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
     pub admin_listen: SocketAddr,
@@ -185,7 +185,7 @@ impl RunArgs {
             engine,
             listen: self.listen,
             advertise,
-            admin_listen: self.admin_listen,
+            admin_listen: Some(self.admin_listen),
             discovery,
             namespace: parse_key_segment("--namespace", &self.namespace)?,
             component: parse_key_segment("--component", &self.component)?,

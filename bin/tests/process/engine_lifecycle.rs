@@ -96,6 +96,41 @@ fn engine_up_three_seconds_late_is_waited_for_then_registered_with_its_real_valu
     sidecar.proc.wait_exit(HANG);
 }
 
+/// The probes an operator points a kubelet at: `/live` is the process, 200
+/// until it exits; `/ready` and `/health` (the path Dynamo's operator and many
+/// charts probe) are the worker, 200 only while Serving.
+#[test]
+fn ready_and_health_answer_503_from_the_withdrawal_on_while_live_stays_200() {
+    let dir = TempDir::new("probes");
+    let (_mock, sidecar, _id) = serving_with_id(&dir, &[], &["--router-grace", "30s"]);
+    for path in ["/live", "/ready", "/health"] {
+        assert_eq!(
+            http_get(sidecar.admin, path).map(|r| r.0),
+            Some(200),
+            "{path} while serving"
+        );
+    }
+    sidecar.proc.signal("TERM");
+    sidecar
+        .proc
+        .wait_for_line("admitting calls for the router grace", HANG);
+    wait_until(HANG, "the withdrawal", || sidecar.records().is_empty());
+    assert_eq!(
+        http_get(sidecar.admin, "/live").map(|r| r.0),
+        Some(200),
+        "/live while draining"
+    );
+    for path in ["/ready", "/health"] {
+        let (code, body) = http_get(sidecar.admin, path).expect(path);
+        assert_eq!(
+            (code, body.as_str()),
+            (503, "not ready: Draining\n"),
+            "{path} while draining"
+        );
+    }
+    sidecar.proc.signal("KILL");
+}
+
 #[test]
 fn liveness_not_serving_withdraws_then_exits_1() {
     let dir = TempDir::new("notserving");

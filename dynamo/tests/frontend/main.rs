@@ -36,6 +36,17 @@ struct Setup {
 
 impl Setup {
     fn start(name: &str, n: usize, etcd: bool, token_delay: &str) -> Setup {
+        Self::start_with_env(name, n, etcd, token_delay, &[])
+    }
+
+    /// As [`Setup::start`], every worker with these environment variables too.
+    fn start_with_env(
+        name: &str,
+        n: usize,
+        etcd: bool,
+        token_delay: &str,
+        worker_env: &[(&str, String)],
+    ) -> Setup {
         let dir = TempDir::new(name);
         let store = if etcd {
             Store::Etcd(Box::new(Etcd::started(&dir.0)))
@@ -52,12 +63,13 @@ impl Setup {
         let mut ids = Vec::new();
         for _ in 0..n {
             let engine = Engine::start(&dir.0, token_delay);
-            let mut worker = Worker::start(
+            let mut worker = Worker::start_with_env(
                 &dir.0,
                 &store,
                 &engine,
                 &tokenizer,
                 &["--router-grace", "1s"],
+                worker_env,
             );
             ids.push(worker.wait_registered());
             engines.push(engine);
@@ -376,4 +388,197 @@ fn bad_flags_exit_2_before_anything_is_contacted() {
         assert!(said.contains("error"), "{bad:?} says what is wrong: {said}");
         assert!(!kv.exists(), "{bad:?} touched discovery");
     }
+    // A Dynamo runtime variable Dynamo would refuse (its system port is an i16).
+    let out = std::process::Command::new(worker_binary())
+        .args(["--grpc-endpoint", "127.0.0.1:1", "--model-path", "/m"])
+        .env("DYN_FILE_KV", &kv)
+        .env("DYN_DISCOVERY_BACKEND", "file")
+        .env("DYN_SYSTEM_PORT", "40000")
+        .output()
+        .expect("run the worker");
+    assert_eq!(out.status.code(), Some(2), "DYN_SYSTEM_PORT=40000: {out:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("SYSTEM_PORT"), "says which variable: {said}");
+    assert!(!kv.exists(), "DYN_SYSTEM_PORT=40000 touched discovery");
+}
+
+/// Two workers on one host, each started with exactly the arguments Dynamo's
+/// own sidecar takes (no port of llm-sidecar's given): both register and
+/// serve. (With an admin port on by default, the second could not bind it.)
+#[test]
+fn two_workers_started_with_dynamos_sidecar_arguments_both_register() {
+    let dir = TempDir::new("dyn-two-on-a-host");
+    let kv = dir.0.join("kv");
+    std::fs::create_dir_all(&kv).expect("kv dir");
+    let store = Store::File(kv);
+    let tokenizer = write_tokenizer(&dir.0);
+    let engines = [Engine::start(&dir.0, "1ms"), Engine::start(&dir.0, "1ms")];
+    let mut workers: Vec<Worker> = engines
+        .iter()
+        .map(|e| Worker::spawn(&dir.0, &store, e, &tokenizer, &[], &[]))
+        .collect();
+    let ids: Vec<String> = workers.iter_mut().map(Worker::wait_registered).collect();
+    assert_ne!(ids[0], ids[1]);
+    std::thread::sleep(Duration::from_secs(2));
+    for (i, w) in workers.iter_mut().enumerate() {
+        assert!(w.proc.running(), "worker {i} runs:\n{}", w.proc.log_text());
+        let keys = store.keys_of(&ids[i]);
+        assert!(
+            keys.iter().any(|k| k.contains("instances/"))
+                && keys.iter().any(|k| k.contains("mdc/")),
+            "worker {i} is registered: {keys:?}"
+        );
+    }
+    for w in &mut workers {
+        w.proc.signal("TERM");
+        assert_eq!(w.proc.wait_exit(HANG), 0, "log:\n{}", w.proc.log_text());
+    }
+}
+
+/// On etcd, an engine loss while a request is in flight: every key the
+/// worker wrote (instance, model card, event channels: anything naming its
+/// id) is gone while the process still drains; Dynamo's system port
+/// (`DYN_SYSTEM_PORT`) and llm-sidecar's admin port answer `/health` 503
+/// from then on, `/live` stays 200 on the admin port; the request in flight
+/// finishes; exit 1.
+#[test]
+fn an_engine_loss_on_etcd_leaves_no_key_of_the_worker_while_it_drains() {
+    let system = free_system_addr();
+    let env = [
+        ("DYN_SYSTEM_HOST", system.ip().to_string()),
+        ("DYN_SYSTEM_PORT", system.port().to_string()),
+    ];
+    let mut s = Setup::start_with_env("dyn-etcd-loss", 1, true, "20ms", &env);
+    let admin = s.workers[0].admin.expect("an admin port");
+    let get = |addr, path| {
+        llm_sidecar_loadgen::local::http_get(addr, path, Duration::from_secs(10)).map(|r| r.0)
+    };
+    for (addr, path) in [
+        (system, "/live"),
+        (system, "/health"),
+        (admin, "/live"),
+        (admin, "/health"),
+    ] {
+        assert_eq!(get(addr, path), Some(200), "{addr}{path} while serving");
+    }
+    // Dynamo's worker registers its event channels (kv_metrics,
+    // active_sequences_events) under random publisher ids, not its instance
+    // id; in this setup it is the only publisher of any.
+    let channels = || -> Vec<String> {
+        s.store
+            .keys()
+            .into_iter()
+            .filter(|k| k.contains("event_channels/"))
+            .collect()
+    };
+    eprintln!("etcd while serving: {:?}", s.store.keys());
+    assert!(
+        !channels().is_empty(),
+        "the worker's event channels: {:?}",
+        s.store.keys()
+    );
+    // 150 tokens at 20 ms: the drain lasts about three seconds.
+    let (mut stream, first) = s.frontend.open_stream(
+        "/v1/completions",
+        &completion(&s.model, "w60 w61", 150, true),
+    );
+    s.engines[0].control("/liveness?status=2");
+    wait_until(HANG, "every key of worker 0 to leave etcd", || {
+        s.store.keys_naming(&s.ids[0]).is_empty() && channels().is_empty()
+    });
+    assert!(
+        s.workers[0].proc.running(),
+        "the keys went while the worker still drains, not with its exit"
+    );
+    assert_eq!(
+        get(system, "/health"),
+        Some(503),
+        "Dynamo's /health once withdrawn"
+    );
+    assert_eq!(
+        get(admin, "/health"),
+        Some(503),
+        "llm-sidecar's /health once withdrawn"
+    );
+    assert_eq!(
+        get(admin, "/live"),
+        Some(200),
+        "llm-sidecar's /live while draining"
+    );
+    let mut rest = Vec::new();
+    stream
+        .read_to_end(&mut rest)
+        .expect("the rest of the answer");
+    let mut raw = first;
+    raw.extend(rest);
+    let (status, body) = parse_response(&raw);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("\"finish_reason\":\"length\""),
+        "the request finished: {body}"
+    );
+    assert_eq!(
+        s.workers[0].proc.wait_exit(HANG),
+        1,
+        "log:\n{}",
+        s.workers[0].proc.log_text()
+    );
+}
+
+/// A gauge's value on a Prometheus text page, for `dp_rank="0"`.
+fn rank0_gauge(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains("dp_rank=\"0\""))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The engine's KV capacity (GetServerInfo: 32-token blocks, 8,192 of them;
+/// Dynamo's default block size is 16)
+/// is in the model card the worker registers, and the load the engine
+/// reports (GetLoad, polled every 100 ms) reaches the worker's
+/// `dynamo_component_*` gauges on Dynamo's system port.
+#[test]
+fn the_engines_kv_capacity_is_registered_and_its_load_reaches_dynamos_gauges() {
+    let system = free_system_addr();
+    let env = [
+        ("DYN_SYSTEM_HOST", system.ip().to_string()),
+        ("DYN_SYSTEM_PORT", system.port().to_string()),
+    ];
+    let s = Setup::start_with_env("dyn-load", 1, false, "2ms", &env);
+    let Store::File(kv) = &s.store else {
+        unreachable!("a file store")
+    };
+    let card =
+        llm_sidecar_loadgen::local::files_under(kv, &|p| p.display().to_string().contains("mdc"));
+    let card = std::fs::read_to_string(card.first().expect("a model card")).expect("read it");
+    let card: serde_json::Value = serde_json::from_str(&card).expect("a JSON card");
+    let text = card.to_string();
+    assert!(
+        text.contains("\"kv_cache_block_size\":32") && text.contains("\"total_kv_blocks\":8192"),
+        "the card carries the engine's block size and total: {text}"
+    );
+    let metrics = || {
+        llm_sidecar_loadgen::local::http_get(system, "/metrics", Duration::from_secs(10))
+            .map(|r| r.1)
+            .unwrap_or_default()
+    };
+    let usage_is = |want: f64| {
+        rank0_gauge(&metrics(), "dynamo_component_gpu_cache_usage_percent")
+            .is_some_and(|v| (v - want).abs() < 1e-6)
+    };
+    wait_until(HANG, "the first load on the gauges", || usage_is(0.0));
+    assert_eq!(
+        rank0_gauge(&metrics(), "dynamo_component_total_blocks"),
+        Some(8192.0)
+    );
+    let mut slowest = Duration::ZERO;
+    for used in [2048u64, 6144, 512] {
+        let changed = Instant::now();
+        s.engines[0].control(&format!("/load?used_kv_blocks={used}&running=3"));
+        wait_until(HANG, "the gauge to follow the engine", || {
+            usage_is(used as f64 / 8192.0)
+        });
+        slowest = slowest.max(changed.elapsed());
+    }
+    eprintln!("load on the gauges within {slowest:?} of the engine's change (poll: 100 ms)");
 }

@@ -22,6 +22,22 @@ pub fn free_addr() -> SocketAddr {
     llm_sidecar_loadgen::local::free_loopback_addr().expect("bind an ephemeral port")
 }
 
+/// A free loopback address for Dynamo's system port: Dynamo 1.6.1 reads
+/// `DYN_SYSTEM_PORT` as an i16, so the port must be below 32,768, where
+/// Linux's ephemeral range does not reach.
+pub fn free_system_addr() -> SocketAddr {
+    let salt = std::process::id() as u16;
+    (0..2_000u16)
+        .map(|i| 20_000 + (salt.wrapping_mul(7).wrapping_add(i * 13)) % 12_000)
+        .find_map(|port| {
+            std::net::TcpListener::bind(("127.0.0.1", port))
+                .ok()?
+                .local_addr()
+                .ok()
+        })
+        .expect("a free port below 32768")
+}
+
 /// `llm-sidecar-dynamo`, as cargo built it for this test.
 pub fn worker_binary() -> &'static str {
     env!("CARGO_BIN_EXE_llm-sidecar-dynamo")
@@ -177,6 +193,19 @@ impl Store {
         self.keys()
             .into_iter()
             .filter(|k| k.ends_with(&format!("/{instance_hex}")))
+            .collect()
+    }
+
+    /// Every key that names one worker anywhere, its id in hex or in decimal:
+    /// instance records, model cards, event channels and sources, whatever
+    /// else Dynamo may write.
+    pub fn keys_naming(&self, instance_hex: &str) -> Vec<String> {
+        let decimal = u64::from_str_radix(instance_hex, 16)
+            .expect("an instance id in hex")
+            .to_string();
+        self.keys()
+            .into_iter()
+            .filter(|k| k.contains(instance_hex) || k.contains(&decimal))
             .collect()
     }
 }
@@ -373,21 +402,27 @@ impl Engine {
 /// `llm-sidecar-dynamo` in front of an engine, registered in `store`.
 pub struct Worker {
     pub proc: Proc,
-    pub admin: SocketAddr,
+    /// llm-sidecar's admin port, when the worker was given one.
+    pub admin: Option<SocketAddr>,
 }
 
 impl Worker {
+    /// A worker with an admin port and the test's short timings, plus `extra`.
     pub fn start(dir: &Path, store: &Store, engine: &Engine, model: &Path, extra: &[&str]) -> Self {
+        Self::start_with_env(dir, store, engine, model, extra, &[])
+    }
+
+    /// As [`Worker::start`], with more environment variables.
+    pub fn start_with_env(
+        dir: &Path,
+        store: &Store,
+        engine: &Engine,
+        model: &Path,
+        extra: &[&str],
+        env: &[(&str, String)],
+    ) -> Self {
         let admin = free_addr();
         let mut args: Vec<String> = [
-            "--grpc-endpoint",
-            &engine.grpc.to_string(),
-            "--model-path",
-            model.to_str().expect("UTF-8 path"),
-            "--discovery-backend",
-            store.backend(),
-            "--request-plane",
-            "tcp",
             "--admin-listen",
             &admin.to_string(),
             "--grpc-retry-interval-secs",
@@ -401,24 +436,56 @@ impl Worker {
         .map(|s| s.to_string())
         .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let env = store.env();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut w = Self::spawn(dir, store, engine, model, &args, env);
+        w.admin = Some(admin);
+        w
+    }
+
+    /// A worker started with exactly Dynamo's own sidecar's arguments
+    /// (`--grpc-endpoint`, `--model-path`, `--discovery-backend`,
+    /// `--request-plane`) and `args` after them.
+    pub fn spawn(
+        dir: &Path,
+        store: &Store,
+        engine: &Engine,
+        model: &Path,
+        args: &[String],
+        env: &[(&str, String)],
+    ) -> Self {
+        let mut all: Vec<String> = [
+            "--grpc-endpoint",
+            &engine.grpc.to_string(),
+            "--model-path",
+            model.to_str().expect("UTF-8 path"),
+            "--discovery-backend",
+            store.backend(),
+            "--request-plane",
+            "tcp",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        all.extend(args.iter().cloned());
+        let mut vars = store.env();
+        vars.extend(env.iter().map(|(k, v)| (*k, v.clone())));
+        let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let proc = Proc::spawn_with_env(
             worker_binary(),
-            &args,
-            &env,
-            dir.join(format!("worker-{}.log", admin.port())),
+            &all,
+            &vars,
+            dir.join(format!("worker-{}.log", engine.grpc.port())),
         );
-        Worker { proc, admin }
+        Worker { proc, admin: None }
     }
 
     /// Waits until the worker says its records are written; returns its
     /// instance id (hex), as the log's first line names it.
     pub fn wait_registered(&mut self) -> String {
-        let line = self
-            .proc
-            .wait_for_line("record written to discovery", Duration::from_secs(60));
-        assert!(!line.is_empty());
+        wait_until(Duration::from_secs(60), "the worker's records", || {
+            let log = self.proc.log_text();
+            assert!(self.proc.running(), "the worker exited:\n{log}");
+            log.contains("record written to discovery")
+        });
         let start = self.proc.wait_for_line("starting: instance ", HANG);
         start
             .split("starting: instance ")

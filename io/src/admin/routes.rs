@@ -1,4 +1,5 @@
-//! The admin server's routes: `/live`, `/ready`, `/state`, `/metrics`.
+//! The admin server's routes: `/live`, `/ready` (also `/health`, the path
+//! Dynamo's operator and many Kubernetes charts probe), `/state`, `/metrics`.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -25,7 +26,7 @@ pub(crate) fn handler(status: Shared, plane: Arc<Plane>) -> Handler {
                 }
             }),
             // The worker: 200 only while Serving.
-            "/ready" => status.read(|s| {
+            "/ready" | "/health" => status.read(|s| {
                 if s.state == "Serving" {
                     Response::text(200, "ready\n")
                 } else {
@@ -48,7 +49,10 @@ pub(crate) fn handler(status: Shared, plane: Arc<Plane>) -> Handler {
                     body: snapshot.render(format),
                 }
             }
-            _ => Response::text(404, "not found; try /live, /ready, /state or /metrics\n"),
+            _ => Response::text(
+                404,
+                "not found; try /live, /ready, /health, /state or /metrics\n",
+            ),
         }
     })
 }

@@ -12,10 +12,11 @@ use llm_sidecar_engine_api::openengine::generate_request::Input;
 use llm_sidecar_engine_api::openengine::generate_response::Event;
 use llm_sidecar_engine_api::openengine::inference_server::Inference;
 use llm_sidecar_engine_api::openengine::{
-    AbortRequest, AbortResponse, AbortStatus, EngineRole, FinishReason, GenerateRequest,
-    GenerateResponse, GenerationFinished, GetLoadRequest, GetModelInfoRequest,
+    AbortRequest, AbortResponse, AbortStatus, DeploymentCapacity, EngineRole, FinishReason,
+    GenerateRequest, GenerateResponse, GenerationFinished, GetLoadRequest, GetModelInfoRequest,
     GetServerInfoRequest, HealthRequest, HealthResponse, HealthState, LoadInfo, ModelInfo,
-    ServerInfo, TokenInfo, TokenOutput, Usage, abort_request, stop_condition,
+    ParallelismInfo, RankLoadInfo, ServerInfo, TokenInfo, TokenOutput, Usage, abort_request,
+    stop_condition,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -99,6 +100,19 @@ impl Control for OpenEngine {
             schema_revision: 1,
             minimum_client_revision: 1,
             schema_release: "768a93c7b44e40f28c692ad0b471a8f2".into(),
+            parallelism: Some(ParallelismInfo {
+                tensor_parallel_size: Some(1),
+                pipeline_parallel_size: Some(1),
+                data_parallel_size: Some(1),
+                data_parallel_rank: None,
+                data_parallel_start_rank: Some(0),
+            }),
+            capacity: Some(DeploymentCapacity {
+                kv_block_size: Some(crate::KV_BLOCK_SIZE),
+                total_kv_blocks: Some(crate::TOTAL_KV_BLOCKS),
+                max_running_requests: None,
+                max_batched_tokens: None,
+            }),
         }))
     }
 
@@ -117,10 +131,27 @@ impl Control for OpenEngine {
         }))
     }
 
-    async fn get_load(&self, _: Request<GetLoadRequest>) -> Result<Response<LoadInfo>, Status> {
+    async fn get_load(
+        &self,
+        request: Request<GetLoadRequest>,
+    ) -> Result<Response<LoadInfo>, Status> {
         let s = &self.state;
         s.counters.load_calls.fetch_add(1, Ordering::Relaxed);
         s.answer_load().await?;
+        let kv = *lock(&s.kv);
+        // One data-parallel rank, reported per rank when asked, as
+        // TensorRT-LLM's server does with --openengine-enable-load-metrics.
+        let ranks = if request.get_ref().include_per_rank {
+            vec![RankLoadInfo {
+                data_parallel_rank: Some(0),
+                running_requests: Some(kv.running),
+                queued_requests: Some(kv.queued),
+                used_kv_blocks: Some(kv.used_blocks),
+                total_kv_blocks: Some(crate::TOTAL_KV_BLOCKS),
+            }]
+        } else {
+            Vec::new()
+        };
         Ok(Response::new(LoadInfo {
             instance_id: s.instance_id.clone(),
             timestamp_unix_nanos: Some(
@@ -129,8 +160,11 @@ impl Control for OpenEngine {
                     .unwrap_or_default()
                     .as_nanos() as u64,
             ),
-            running_requests: Some(0),
-            queued_requests: None,
+            running_requests: Some(kv.running),
+            queued_requests: Some(kv.queued),
+            used_kv_blocks: Some(kv.used_blocks),
+            total_kv_blocks: Some(crate::TOTAL_KV_BLOCKS),
+            ranks,
         }))
     }
 
