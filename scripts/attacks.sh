@@ -86,3 +86,14 @@ round3 "never reads, 512 x 20,000 tokens" never_read
 round3 "rapid reset, 4 connections" rapid_reset
 round3 "half-open calls, 2 x 1,000" half_open --max-concurrent-streams 20
 round3 "early-ended calls, 1 connection" early_end
+round3 "own-health Watch, 64 x 1,000" health_watch
+round3 "CONNECT without :path" connect
+# Attack 8: the admin port filled with idle connections; what the kubelet's
+# probe sees (20 probes of /live, 2 s each), and the request plane beside it.
+start
+python3 "$attack" 127.0.0.1:47090 admin_fill 20 >"$work/attack.json" &
+sleep 5
+live=0
+for _ in $(seq 20); do curl -sf -m 2 127.0.0.1:47090/live >/dev/null && live=$((live + 1)); sleep 0.5; done
+echo "$(printf '%-32s' "admin port, 64 idle connections"): /live answered $live of 20; $(calm 47061); sidecar RSS $(rss)"
+stop

