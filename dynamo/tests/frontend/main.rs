@@ -9,7 +9,6 @@ mod etcd;
 mod proc;
 mod support;
 
-use std::io::Read;
 use std::time::{Duration, Instant};
 
 pub use proc::{HANG, Proc, wait_until};
@@ -254,18 +253,12 @@ fn an_ended_liveness_watch_takes_its_worker_out_of_discovery() {
 /// model card behind to expire).
 fn sigterm_drains_and_leaves_nothing(s: &Setup) {
     // The first token has arrived: the request is in flight.
-    let (mut stream, first) = s.frontend.open_stream(
+    let (stream, first) = s.frontend.open_stream(
         "/v1/completions",
         &completion(&s.model, "w30 w31", 200, true),
     );
     s.workers[0].proc.signal("TERM");
-    let mut rest = Vec::new();
-    stream
-        .read_to_end(&mut rest)
-        .expect("the rest of the answer");
-    let mut raw = first;
-    raw.extend(rest);
-    let (status, body) = parse_response(&raw);
+    let (status, body) = read_rest(stream, first);
     assert_eq!(status, 200, "{body}");
     let (expected, _) = engine_text(&s.engines[0], &[30, 31]);
     assert!(
@@ -478,7 +471,7 @@ fn an_engine_loss_on_etcd_leaves_no_key_of_the_worker_while_it_drains() {
         s.store.keys()
     );
     // 150 tokens at 20 ms: the drain lasts about three seconds.
-    let (mut stream, first) = s.frontend.open_stream(
+    let (stream, first) = s.frontend.open_stream(
         "/v1/completions",
         &completion(&s.model, "w60 w61", 150, true),
     );
@@ -505,13 +498,7 @@ fn an_engine_loss_on_etcd_leaves_no_key_of_the_worker_while_it_drains() {
         Some(200),
         "llm-sidecar's /live while draining"
     );
-    let mut rest = Vec::new();
-    stream
-        .read_to_end(&mut rest)
-        .expect("the rest of the answer");
-    let mut raw = first;
-    raw.extend(rest);
-    let (status, body) = parse_response(&raw);
+    let (status, body) = read_rest(stream, first);
     assert_eq!(status, 200, "{body}");
     assert!(
         body.contains("\"finish_reason\":\"length\""),

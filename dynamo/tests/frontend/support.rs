@@ -304,6 +304,16 @@ impl Frontend {
     }
 }
 
+/// Reads a streamed answer to its end after the `first` bytes
+/// [`Frontend::open_stream`] returned; its status and (de-chunked) body.
+pub fn read_rest(mut stream: TcpStream, first: Vec<u8>) -> (u16, String) {
+    let mut raw = first;
+    stream
+        .read_to_end(&mut raw)
+        .expect("the rest of the answer");
+    parse_response(&raw)
+}
+
 /// Status and body of an HTTP/1.1 answer, chunked or not.
 pub fn parse_response(raw: &[u8]) -> (u16, String) {
     let text = String::from_utf8_lossy(raw);
