@@ -41,8 +41,20 @@ struct Ours {
     /// Dynamo's worker leaves these behind until its own cleanup or the
     /// process's exit, so the withdrawal removes them itself.
     rest: Vec<DiscoveryInstance>,
-    /// Whether a model card is among `rest`: registered means instance and card.
-    card: bool,
+}
+
+impl Ours {
+    /// Whether a model card is among the records.
+    fn card(&self) -> bool {
+        self.rest
+            .iter()
+            .any(|r| matches!(r, DiscoveryInstance::Model { .. }))
+    }
+
+    /// Registered: the instance record and a model card are both there.
+    fn registered(&self) -> bool {
+        self.instance && self.card()
+    }
 }
 
 /// The running Dynamo worker of the current registration.
@@ -211,9 +223,6 @@ async fn ours(
     }
     Ok(Ours {
         instance: instances.iter().any(|i| i.instance_id() == id),
-        card: rest
-            .iter()
-            .any(|r| matches!(r, DiscoveryInstance::Model { .. })),
         rest,
     })
 }
@@ -234,14 +243,8 @@ fn watch(
                 () = tokio::time::sleep(WATCH_POLL) => {}
             }
             let cause = match ours(&drt, &worker, id, false).await {
-                Ok(Ours {
-                    instance: true,
-                    card: true,
-                    ..
-                }) => continue,
-                Ok(Ours {
-                    instance: false, ..
-                }) => "the instance record left Dynamo's discovery",
+                Ok(o) if o.registered() => continue,
+                Ok(o) if !o.instance => "the instance record left Dynamo's discovery",
                 Ok(_) => "the model card left Dynamo's discovery",
                 // A read that fails is not a lost record; the next one decides.
                 Err(_) => continue,
@@ -279,12 +282,7 @@ impl Discovery for DynamoRegistry {
             }
         }
         loop {
-            if let Ours {
-                instance: true,
-                card: true,
-                ..
-            } = self.ours(false).await?
-            {
+            if self.ours(false).await?.registered() {
                 break;
             }
             let ended = {

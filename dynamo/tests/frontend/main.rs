@@ -342,6 +342,20 @@ fn etcd_discovery_registers_serves_and_withdraws_both_keys() {
 fn bad_flags_exit_2_before_anything_is_contacted() {
     let dir = TempDir::new("dyn-flags");
     let kv = dir.0.join("kv");
+    // Runs the worker with these flags and variables: it must exit 2 having
+    // touched nothing; what it said on stderr.
+    let refused = |args: &[&str], env: &[(&str, &str)]| {
+        let out = std::process::Command::new(worker_binary())
+            .args(args)
+            .env("DYN_FILE_KV", &kv)
+            .env("DYN_DISCOVERY_BACKEND", "file")
+            .envs(env.iter().copied())
+            .output()
+            .expect("run the worker");
+        assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {out:?}");
+        assert!(!kv.exists(), "{args:?} {env:?} touched discovery");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
     for bad in [
         vec!["--grpc-endpoint", "no-port", "--model-path", "/m"],
         vec![
@@ -370,29 +384,15 @@ fn bad_flags_exit_2_before_anything_is_contacted() {
         ],
         vec!["--grpc-endpoint", "127.0.0.1:1"],
     ] {
-        let out = std::process::Command::new(worker_binary())
-            .args(&bad)
-            .env("DYN_FILE_KV", &kv)
-            .env("DYN_DISCOVERY_BACKEND", "file")
-            .output()
-            .expect("run the worker");
-        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
-        let said = String::from_utf8_lossy(&out.stderr);
+        let said = refused(&bad, &[]);
         assert!(said.contains("error"), "{bad:?} says what is wrong: {said}");
-        assert!(!kv.exists(), "{bad:?} touched discovery");
     }
     // A Dynamo runtime variable Dynamo would refuse (its system port is an i16).
-    let out = std::process::Command::new(worker_binary())
-        .args(["--grpc-endpoint", "127.0.0.1:1", "--model-path", "/m"])
-        .env("DYN_FILE_KV", &kv)
-        .env("DYN_DISCOVERY_BACKEND", "file")
-        .env("DYN_SYSTEM_PORT", "40000")
-        .output()
-        .expect("run the worker");
-    assert_eq!(out.status.code(), Some(2), "DYN_SYSTEM_PORT=40000: {out:?}");
-    let said = String::from_utf8_lossy(&out.stderr);
+    let said = refused(
+        &["--grpc-endpoint", "127.0.0.1:1", "--model-path", "/m"],
+        &[("DYN_SYSTEM_PORT", "40000")],
+    );
     assert!(said.contains("SYSTEM_PORT"), "says which variable: {said}");
-    assert!(!kv.exists(), "DYN_SYSTEM_PORT=40000 touched discovery");
 }
 
 /// Two workers on one host, each started with exactly the arguments Dynamo's
