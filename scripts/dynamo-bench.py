@@ -8,11 +8,19 @@ peak RSS over the load), then the engine is SIGKILLed with requests going on:
 how long until the worker's records leave discovery, and what the frontend's
 clients got meanwhile. A benchmark, not a test: it asserts nothing.
 
+`--migration` runs the migration story instead, for each sidecar: the frontend
+with `--migration-limit 1`, two workers of that sidecar, each in front of its
+own mock engine, and one streamed completion of 20 tokens whose engine dies
+(exit, as a kill) after its fifth token: how many tokens the client received,
+how many were not the engine's sequence or came twice, whether an error
+reached it, and how long the sixth token took after the fifth (the time to the
+first token on the second worker).
+
 Usage (after `cargo build --release -p llm-sidecar -p llm-sidecar-dynamo` and
 with Dynamo's frontend installed, as scripts/test.sh does in target/dynamo-venv):
 
     python3 scripts/dynamo-bench.py [--streams 32] [--tokens 64] [--token-delay 20ms]
-        [--secs 20] [--python target/dynamo-venv/bin/python]
+        [--secs 20] [--python target/dynamo-venv/bin/python] [--migration]
 """
 
 import argparse
@@ -184,13 +192,14 @@ class Bench:
         self.procs.append(p)
         return p
 
-    def engine(self):
+    def engine(self, extra=()):
         grpc, control = free_port(), free_port()
         p = self.spawn(f"engine-{grpc}", [
             os.path.join(ROOT, "target/release/llm-sidecar"), "mock-engine", "--kind", "openengine",
             "--model-id", "tiny", "--token-delay", self.args.token_delay,
-            "--listen", f"127.0.0.1:{grpc}", "--control-listen", f"127.0.0.1:{control}"])
+            "--listen", f"127.0.0.1:{grpc}", "--control-listen", f"127.0.0.1:{control}", *extra])
         wait("the engine", lambda: get(control, "/stats")[0] == 200)
+        p.control = control
         return p, grpc
 
     def instances(self):
@@ -210,10 +219,10 @@ class Bench:
         wait(f"{kind}'s sidecar to register", lambda: set(self.instances()) - before)
         return p
 
-    def frontend(self):
+    def frontend(self, extra=()):
         port = free_port()
         self.spawn("frontend", [self.args.python, "-m", "dynamo.frontend", "--discovery-backend",
-                                "file", "--request-plane", "tcp", "--http-port", str(port)])
+                                "file", "--request-plane", "tcp", "--http-port", str(port), *extra])
         wait("the frontend", lambda: get(port, "/v1/models")[0] == 200)
         return port
 
@@ -283,6 +292,36 @@ class Bench:
             time.sleep(12)  # the frontend forgets the model before the next sidecar comes
         return results
 
+    def migration(self):
+        """Per sidecar: a streamed completion of 20 tokens whose engine dies
+        after its fifth, behind a frontend that may migrate it once."""
+        results = {}
+        prompt = migration_prompt()
+        first = mock_tokens(prompt, 5)
+        expected = first + mock_tokens(prompt + first, 15)
+        for kind in ["dynamo", "llm-sidecar-dynamo"]:
+            self.kv = os.path.join(self.dir, f"kv-{kind}")
+            os.makedirs(self.kv)
+            self.env["DYN_FILE_KV"] = self.kv
+            port = self.frontend(["--migration-limit", "1"])
+            pairs = []
+            for _ in range(2):
+                engine, grpc = self.engine(["--seed-by-prompt", "--end-delay",
+                                            self.args.token_delay])
+                # Whichever engine serves the request dies after its fifth
+                # token; the migrated request (a longer prompt) takes no fault.
+                get(engine.control, "/fault?action=exit&at=5&max_prompt=2")
+                pairs.append((engine, self.sidecar(kind, grpc)))
+            wait("the model to be served", lambda: self.model in get(port, "/v1/models")[1])
+            time.sleep(1)  # both workers known to the frontend
+            results[kind] = migration_run(port, self.model, prompt, expected)
+            for engine, sidecar in pairs:
+                for p in (sidecar, engine):
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+        return results
+
     def close(self):
         for p in self.procs:
             if p.poll() is None:
@@ -292,6 +331,80 @@ class Bench:
             shutil.rmtree(self.dir, ignore_errors=True)
         else:
             print(f"kept {self.dir}", file=sys.stderr)
+
+
+def mock_tokens(prompt, n):
+    """The mock engine's first n tokens for a prompt (`--seed-by-prompt`):
+    the formula of mock-engine/src/generate.rs."""
+    seed, mask = 17, (1 << 64) - 1
+    for t in prompt:
+        seed = (seed * 31 + t) & mask
+    return [((seed * 2_654_435_761 + i * 7_919) & mask) % 32_000 for i in range(n)]
+
+
+def migration_prompt():
+    """A two-token prompt whose 20 tokens, before and after the migration,
+    hold no special token (no text, and the frontend stops at the end of
+    sequence)."""
+    for a in range(500, 1000):
+        p = [a, a + 1]
+        first = mock_tokens(p, 5)
+        if all(t >= 3 for t in first + mock_tokens(p + first, 15)):
+            return p
+    sys.exit("no prompt found")
+
+
+def migration_run(port, model, prompt, expected):
+    body = json.dumps({"model": model, "prompt": " ".join(f"w{t}" for t in prompt),
+                       "max_tokens": len(expected), "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    start = time.monotonic()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    raw, arrivals, words, errors, done = b"", [], [], [], False
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        now = time.monotonic()
+        raw += chunk
+        while b"\n\n" in raw:
+            event, raw = raw.split(b"\n\n", 1)
+            if event.startswith(b"HTTP/"):
+                status = event.split(b" ", 2)[1].decode()
+                if status != "200":
+                    errors.append(f"HTTP {status}")
+            if b"data: " not in event:
+                continue
+            line = event.split(b"data: ", 1)[1].strip()
+            if line == b"[DONE]":
+                done = True
+                continue
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if "choices" not in data:
+                errors.append(json.dumps(data)[:200])
+                continue
+            for w in (data["choices"][0].get("text") or "").split():
+                words.append(int(w[1:]))
+                arrivals.append(now - start)
+    rest = raw.decode(errors="replace").strip()
+    if rest not in ("", "0"):  # "0": the end of a chunked body
+        errors.append(rest[-200:])
+    s.close()
+    extra = sum(max(0, words.count(t) - expected.count(t)) for t in set(words))
+    return {
+        "tokens_received": len(words),
+        "tokens_expected": len(expected),
+        "in_order_and_whole": words == expected,
+        "duplicates_or_strangers": extra,
+        "error_seen_by_client": errors,
+        "done": done,
+        "first_token_ms": arrivals[0] * 1000 if arrivals else None,
+        "sixth_after_fifth_ms": (arrivals[5] - arrivals[4]) * 1000 if len(arrivals) > 5 else None,
+    }
 
 
 def main():
@@ -304,10 +417,12 @@ def main():
                     help="seconds to watch the frontend's answers after the kill")
     ap.add_argument("--python", default=os.path.join(ROOT, "target/dynamo-venv/bin/python"))
     ap.add_argument("--keep", action="store_true", help="keep the logs")
+    ap.add_argument("--migration", action="store_true",
+                    help="the migration story instead of the load (see above)")
     args = ap.parse_args()
     bench = Bench(args)
     try:
-        results = bench.run()
+        results = bench.migration() if args.migration else bench.run()
     finally:
         bench.close()
     print(json.dumps(results, indent=2))

@@ -4,6 +4,7 @@
 //! the core's drain counts it, the drain deadline cuts it, and the call
 //! account at exit includes it.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -11,21 +12,21 @@ use async_trait::async_trait;
 use dynamo_backend_common::{
     AsyncEngineContext, BackendError, DynamoError, EngineConfig, ErrorType, GenerateContext,
     LLMEngine, LLMEngineOutput, LlmRegistration, MetricsBindings, MetricsCtx, PreprocessedRequest,
-    usage,
 };
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use llm_sidecar_engine_api::openengine::control_client::ControlClient;
 use llm_sidecar_engine_api::openengine::inference_client::InferenceClient;
 use llm_sidecar_engine_api::openengine::{
-    self as oe, AbortRequest, FinishReason, GenerateRequest, GenerateResponse, generate_response,
+    self as oe, AbortRequest, GenerateResponse, GetModelInfoRequest,
 };
-use llm_sidecar_engine_api::prost_types;
 use llm_sidecar_io::request_plane::{Admitted, CallOutcome, HostedCalls};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+use crate::answer::{self, Reader, Step, status_error};
 use crate::load::{self, Capacity};
+use crate::request::{self, Capabilities};
 
 /// The message of a request refused while admission is closed.
 const DRAINING: &str = "worker draining; retry on another worker";
@@ -36,6 +37,9 @@ const CUT: &str = "drain deadline reached; retry on another worker";
 /// How long a `Control.Abort` may take: the engine stream is reset anyway,
 /// so a wedged engine must not hold the cancelling task.
 const ABORT_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long the engine may take to end its stream after the final message.
+const TRAILERS_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The model as the engine reported it at start-up, and the card's settings.
 #[derive(Debug, Clone)]
@@ -58,6 +62,10 @@ pub struct Bridge {
     served: Served,
     /// What the engine reported of its KV cache at this worker's start.
     capacity: Mutex<Capacity>,
+    /// What the engine said it serves per request, at this worker's start.
+    caps: Mutex<Capabilities>,
+    /// Requests whose engine stream is open.
+    open: Arc<OpenStreams>,
     /// Ends the load poller with this worker.
     stop: CancellationToken,
 }
@@ -78,6 +86,8 @@ impl Bridge {
             calls,
             served,
             capacity: Mutex::new(Capacity::default()),
+            caps: Mutex::new(Capabilities::default()),
+            open: Arc::new(OpenStreams::default()),
             stop,
         }
     }
@@ -91,161 +101,89 @@ impl Bridge {
         self.channels[i].clone()
     }
 
-    /// The OpenEngine request for a Dynamo one. The frontend tokenized and
-    /// holds the stop strings; the engine gets token ids, the stop token ids
-    /// and `extra.detokenize = false` (nothing reads its text).
-    fn generate_request(&self, id: &str, request: &PreprocessedRequest) -> GenerateRequest {
-        let stop = &request.stop_conditions;
-        let sampling = &request.sampling_options;
-        let prompt_len = u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX);
-        // A request without max_tokens gets what the context leaves, as
-        // Dynamo's sidecar does; without a context length, the engine's default.
-        let max_tokens = stop.max_tokens.or_else(|| {
-            self.served
-                .context_length
-                .map(|c| c.saturating_sub(prompt_len).max(1))
-        });
-        let stop_ids = stop
-            .stop_token_ids_hidden
-            .iter()
-            .flatten()
-            .chain(stop.stop_token_ids.iter().flatten())
-            .chain(
-                request
-                    .eos_token_ids
-                    .iter()
-                    .filter(|_| stop.ignore_eos != Some(true)),
-            );
-        let mut conditions: Vec<oe::StopCondition> = Vec::new();
-        for id in stop_ids {
-            let condition = oe::StopCondition {
-                condition: Some(oe::stop_condition::Condition::StopTokenId(*id)),
-            };
-            if !conditions.contains(&condition) {
-                conditions.push(condition);
-            }
-        }
-        let detokenize = prost_types::Value {
-            kind: Some(prost_types::value::Kind::BoolValue(false)),
-        };
-        GenerateRequest {
-            request_id: id.to_string(),
-            model: self.served.engine_model.clone(),
-            input: Some(oe::generate_request::Input::TokenIds(oe::TokenIds {
-                ids: request.token_ids.to_vec(),
-            })),
-            sampling: Some(oe::SamplingParams {
-                temperature: sampling.temperature.map(f64::from),
-                top_p: sampling.top_p.map(f64::from),
-                top_k: sampling.top_k,
-                min_p: sampling.min_p.map(f64::from),
-                frequency_penalty: sampling.frequency_penalty.map(f64::from),
-                presence_penalty: sampling.presence_penalty.map(f64::from),
-                repetition_penalty: sampling.repetition_penalty.map(f64::from),
-                seed: sampling.seed.and_then(|s| u64::try_from(s).ok()),
-                num_sequences: sampling.n.map(u32::from),
-            }),
-            stopping: Some(oe::StoppingOptions {
-                max_tokens,
-                min_tokens: stop.min_tokens,
-                conditions,
-                ignore_eos: stop.ignore_eos,
-            }),
-            extra: Some(prost_types::Struct {
-                fields: [("detokenize".to_string(), detokenize)].into(),
-            }),
-        }
+    fn caps(&self) -> Capabilities {
+        self.caps.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
-fn error(kind: BackendError, message: impl Into<String>) -> DynamoError {
-    DynamoError::builder()
-        .error_type(ErrorType::Backend(kind))
-        .message(message)
-        .build()
-}
+/// The requests whose engine stream is open and has not ended by itself:
+/// the ones a `Control.Abort` is for. A request the engine finished (or
+/// failed, or never saw) is never aborted.
+#[derive(Default)]
+struct OpenStreams(Mutex<HashSet<String>>);
 
-/// A gRPC status from the engine: how the frontend should take it, and how
-/// the call account counts it.
-fn status_error(status: &tonic::Status, before_stream: bool) -> (DynamoError, CallOutcome) {
-    use tonic::Code;
-    let message = format!("engine: {}: {}", status.code(), status.message());
-    match status.code() {
-        Code::Unavailable | Code::Unknown if before_stream => (
-            error(BackendError::CannotConnect, message),
-            CallOutcome::EngineUnreachable,
-        ),
-        Code::Unavailable | Code::Unknown | Code::Internal | Code::Aborted => (
-            error(BackendError::Disconnected, message),
-            CallOutcome::EngineFailed,
-        ),
-        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => (
-            error(BackendError::InvalidArgument, message),
-            CallOutcome::EngineStatus,
-        ),
-        Code::Cancelled => (
-            error(BackendError::Cancelled, message),
-            CallOutcome::EngineStatus,
-        ),
-        Code::DeadlineExceeded => (
-            error(BackendError::ResponseTimeout, message),
-            CallOutcome::EngineStatus,
-        ),
-        _ => (
-            error(BackendError::Unknown, message),
-            CallOutcome::EngineStatus,
-        ),
+impl OpenStreams {
+    fn open(&self, id: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string());
+    }
+
+    /// Whether `id` was open.
+    fn close(&self, id: &str) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(id)
     }
 }
 
-/// An `EngineError` event in the stream.
-fn engine_error(e: &oe::EngineError) -> DynamoError {
-    let code = oe::ErrorCode::try_from(e.code).unwrap_or(oe::ErrorCode::Unspecified);
-    let kind = match code {
-        oe::ErrorCode::InvalidArgument
-        | oe::ErrorCode::UnsupportedFeature
-        | oe::ErrorCode::ModelNotFound
-        | oe::ErrorCode::DuplicateRequest => BackendError::InvalidArgument,
-        oe::ErrorCode::Cancelled => BackendError::Cancelled,
-        _ if e.retryable => BackendError::EngineShutdown,
-        _ => BackendError::Unknown,
-    };
-    error(kind, format!("engine: {:?}: {}", code, e.message))
+/// The error of a request its caller gave up on.
+fn cancelled(message: &str) -> DynamoError {
+    answer::error(ErrorType::Backend(BackendError::Cancelled), message)
 }
 
-/// What one message of the engine's stream means for the caller.
-enum Step {
-    Tokens(LLMEngineOutput),
-    Finished(LLMEngineOutput),
-    Failed(DynamoError),
+/// The error of a request this worker will not serve as it shuts down:
+/// another worker may.
+fn shutdown(message: &str) -> DynamoError {
+    answer::error(ErrorType::Backend(BackendError::EngineShutdown), message)
 }
 
-fn step(message: GenerateResponse, prompt_len: u32, generated: &mut u32) -> Option<Step> {
-    match message.event? {
-        generate_response::Event::Token(t) => {
-            let ids: Vec<u32> = t.tokens.iter().map(|t| t.token_id).collect();
-            *generated += u32::try_from(ids.len()).unwrap_or(u32::MAX);
-            Some(Step::Tokens(LLMEngineOutput {
-                token_ids: ids,
-                ..Default::default()
-            }))
-        }
-        generate_response::Event::Finished(f) => {
-            let mut out = match FinishReason::try_from(f.reason) {
-                Ok(FinishReason::Length) => LLMEngineOutput::length(),
-                Ok(FinishReason::Cancelled) => LLMEngineOutput::cancelled(),
-                Ok(FinishReason::Stop | FinishReason::Unspecified) | Err(_) => {
-                    LLMEngineOutput::stop()
+/// Reads the rest of an engine stream after its final message, so the
+/// engine sees the stream end rather than a reset: an engine's trailers
+/// follow its last message, and dropping the stream between the two makes
+/// the engine count a completed generation as cancelled by the client. The
+/// call stays in flight until then (bounded by [`TRAILERS_BOUND`] and the
+/// drain deadline); a message after the final one is dropped.
+fn read_to_end(
+    mut stream: tonic::Streaming<GenerateResponse>,
+    call: Admitted,
+    cut: CancellationToken,
+    id: String,
+) {
+    tokio::spawn(async move {
+        let _in_flight = call;
+        let rest = async {
+            let mut after = 0u32;
+            while let Some(message) = stream.next().await {
+                match message {
+                    Ok(_) => after += 1,
+                    Err(status) => {
+                        tracing::debug!(
+                            request_id = id,
+                            %status,
+                            "the engine stream ended with an error after its final message"
+                        );
+                        break;
+                    }
                 }
-            };
-            out.completion_usage = Some(match message.usage {
-                Some(u) => usage(u.prompt_tokens, u.completion_tokens),
-                None => usage(prompt_len, *generated),
-            });
-            Some(Step::Finished(out))
+            }
+            after
+        };
+        tokio::select! {
+            () = cut.cancelled() => {}
+            read = tokio::time::timeout(TRAILERS_BOUND, rest) => match read {
+                Ok(0) => {}
+                Ok(after) => tracing::debug!(
+                    request_id = id,
+                    "the engine sent {after} message(s) after its final one: ignored"
+                ),
+                Err(_) => tracing::warn!(
+                    request_id = id,
+                    "the engine did not end the stream within {TRAILERS_BOUND:?} of its final \
+                     message: the stream is reset (the engine may count it as cancelled)"
+                ),
+            },
         }
-        generate_response::Event::Error(e) => Some(Step::Failed(engine_error(&e))),
-    }
+    });
 }
 
 #[async_trait]
@@ -257,6 +195,19 @@ impl LLMEngine for Bridge {
             .await
             .map_err(|status| status_error(&status, true).0)?;
         *self.capacity.lock().unwrap_or_else(|p| p.into_inner()) = capacity;
+        // What the engine serves per request, so a request it cannot serve
+        // is refused before it is sent.
+        let mut control = ControlClient::new(self.channel());
+        let model = control
+            .get_model_info(GetModelInfoRequest {
+                model: self.served.engine_model.clone(),
+            })
+            .await
+            .map_err(|status| status_error(&status, true).0)?
+            .into_inner();
+        let caps = Capabilities::of(&model);
+        tracing::debug!(?caps, "the engine's generation capabilities");
+        *self.caps.lock().unwrap_or_else(|p| p.into_inner()) = caps;
         if capacity.ranks().is_empty() {
             tracing::info!(
                 "the engine reports no KV block size and total (GetServerInfo capacity): \
@@ -304,19 +255,42 @@ impl LLMEngine for Bridge {
         ctx: GenerateContext,
     ) -> Result<BoxStream<'static, Result<LLMEngineOutput, DynamoError>>, DynamoError> {
         let Some(mut call) = self.calls.admit() else {
-            return Err(error(BackendError::EngineShutdown, DRAINING));
+            return Err(shutdown(DRAINING));
         };
         let ctx = ctx.inner_arc();
+        let (engine_request, metadata) =
+            match request::generate_request(ctx.id(), &request, &self.served, &self.caps()) {
+                Ok(mapped) => mapped,
+                Err(refused) => {
+                    // Never forwarded, and the caller's to fix.
+                    call.set_outcome(CallOutcome::Malformed);
+                    return Err(refused);
+                }
+            };
+        // A caller gone before the engine was asked: the engine never hears
+        // of the request, not even as an abort.
+        if ctx.is_stopped() || ctx.is_killed() {
+            call.set_outcome(CallOutcome::CancelledByCaller);
+            return Err(cancelled("cancelled before the engine was called"));
+        }
+        let id = ctx.id().to_string();
         let prompt_len = u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX);
-        let engine_request = self.generate_request(ctx.id(), &request);
         let mut client = InferenceClient::new(self.channel()).max_decoding_message_size(64 << 20);
+        let engine_request =
+            tonic::Request::from_parts(metadata, tonic::Extensions::default(), engine_request);
         let cut = call.cut();
         let started = tokio::select! {
-            r = client.generate(engine_request) => r,
+            biased;
             () = cut.cancelled() => {
                 call.set_outcome(CallOutcome::CutAtDeadline);
-                return Err(error(BackendError::EngineShutdown, CUT));
+                return Err(shutdown(CUT));
             }
+            // Dropping the half-open call resets it: the engine drops it.
+            () = ctx.stopped() => {
+                call.set_outcome(CallOutcome::CancelledByCaller);
+                return Err(cancelled("cancelled before the engine answered"));
+            }
+            r = client.generate(engine_request) => r,
         };
         let mut stream = match started {
             Ok(response) => response.into_inner(),
@@ -326,65 +300,84 @@ impl LLMEngine for Bridge {
                 return Err(e);
             }
         };
+        let open = self.open.clone();
+        open.open(&id);
         Ok(async_stream::stream! {
             // Holding the admission here keeps the request in flight until
             // its last item was taken, whatever ends it.
             let mut call: Admitted = call;
-            let mut generated = 0u32;
+            let mut reader = Reader::new(&id, prompt_len);
             loop {
                 let next = tokio::select! {
                     biased;
                     () = cut.cancelled() => {
+                        open.close(&id);
                         call.set_outcome(CallOutcome::CutAtDeadline);
-                        yield Err(error(BackendError::EngineShutdown, CUT));
+                        yield Err(shutdown(CUT));
                         break;
                     }
                     () = ctx.stopped() => {
-                        // The framework calls `abort` (Control.Abort); dropping
-                        // the engine stream resets it as well.
+                        // The framework calls `abort` (Control.Abort; the id
+                        // stays open for it); dropping the engine stream
+                        // resets it as well.
                         call.set_outcome(CallOutcome::CancelledByCaller);
                         yield Ok(LLMEngineOutput::cancelled());
                         break;
                     }
                     next = stream.next() => next,
                 };
-                match next {
-                    Some(Ok(message)) => match step(message, prompt_len, &mut generated) {
-                        Some(Step::Tokens(out)) => yield Ok(out),
-                        Some(Step::Finished(out)) => {
-                            call.set_outcome(CallOutcome::Ok);
-                            yield Ok(out);
-                            break;
-                        }
-                        Some(Step::Failed(e)) => {
-                            call.set_outcome(CallOutcome::EngineStatus);
-                            yield Err(e);
-                            break;
-                        }
-                        None => {}
-                    },
+                let step = match next {
+                    Some(Ok(message)) => reader.step(message),
                     Some(Err(status)) => {
                         let (e, outcome) = status_error(&status, false);
+                        Step::Failed(e, outcome)
+                    }
+                    None => Step::Failed(
+                        answer::error(
+                            ErrorType::Backend(BackendError::StreamIncomplete),
+                            "engine: the stream ended before the generation finished",
+                        ),
+                        CallOutcome::EngineFailed,
+                    ),
+                };
+                match step {
+                    Step::Tokens(out) => {
+                        call.first_message_sent();
+                        yield Ok(out);
+                    }
+                    Step::Nothing => {}
+                    Step::Finished(out) => {
+                        open.close(&id);
+                        call.set_outcome(CallOutcome::Ok);
+                        read_to_end(stream, call, cut, id);
+                        yield Ok(out);
+                        break;
+                    }
+                    Step::Failed(e, outcome) => {
+                        open.close(&id);
+                        if outcome != CallOutcome::EngineStatus {
+                            tracing::warn!(request_id = id, "request failed: {e}");
+                        }
                         call.set_outcome(outcome);
                         yield Err(e);
                         break;
                     }
-                    None => {
-                        call.set_outcome(CallOutcome::EngineFailed);
-                        yield Err(error(
-                            BackendError::StreamIncomplete,
-                            "engine: the stream ended before the generation finished",
-                        ));
-                        break;
-                    }
                 }
             }
-            drop(call);
         }
         .boxed())
     }
 
+    /// `Control.Abort` for a request whose engine stream is still open;
+    /// never for one the engine finished or never saw.
     async fn abort(&self, ctx: Arc<dyn AsyncEngineContext>) {
+        if !self.open.close(ctx.id()) {
+            tracing::debug!(
+                request_id = ctx.id(),
+                "no engine stream open for the request: no Control.Abort"
+            );
+            return;
+        }
         let mut control = ControlClient::new(self.channel());
         let request = AbortRequest {
             target: Some(oe::abort_request::Target::RequestId(ctx.id().to_string())),

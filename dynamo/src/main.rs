@@ -11,11 +11,13 @@
 //! KV capacity and load for Dynamo's router ([`load`]) and Dynamo's discovery
 //! as the core's registry ([`registry`]).
 
+mod answer;
 mod args;
 mod bridge;
 mod load;
 mod own_channels;
 mod registry;
+mod request;
 
 use std::sync::Arc;
 use std::time::Duration;

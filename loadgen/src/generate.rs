@@ -86,6 +86,9 @@ pub async fn generate(
                     Some(Event::Token(t)) => Ok(Piece::Tokens(
                         t.tokens.into_iter().map(|t| t.token_id).collect(),
                     )),
+                    // Prompt logprobs come before the tokens; the load
+                    // generator never asks for them.
+                    Some(Event::Prompt(_)) => Ok(Piece::Tokens(Vec::new())),
                     Some(Event::Finished(_)) | None => Ok(Piece::Done(Vec::new())),
                     // OpenEngine reports a failed generation in the stream.
                     Some(Event::Error(e)) => Err(Status::internal(e.message)),

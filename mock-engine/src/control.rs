@@ -12,6 +12,7 @@
 //! | `/watch/fail?code=N&message=M` | fail every open Watch stream with that status |
 //! | `/healthcheck?mode=ok\|stall\|text&text=T` | how HealthCheck answers |
 //! | `/identity?version=V` | change the version GetServerInfo reports |
+//! | `/fault?action=cut\|exit\|malformed\|replay&at=N[&code=C&message=M]` | the next Generate's message `at` (tokens count from 0; the number of tokens asked for is the final message) is replaced: `cut` fails the stream with status C (13) and message M, `exit` ends the mock process (exit 137, as a kill), `malformed` sends a message no client can read (OpenEngine: no event); `replay` sends the last token again after the final message; `max_prompt=P`: only a Generate whose prompt has at most P tokens takes it |
 //! | `/stop?grace_ms=N` | graceful stop: NOT_SERVING, cancel calls after the grace, exit |
 //! | `/stats` | counters as JSON |
 
@@ -21,7 +22,10 @@ use std::time::Duration;
 
 use llm_sidecar_io::admin::http::{Handler, Request, Response};
 
-use crate::{HealthCheckMode, LoadMode, NOT_SERVING, State, WatchControl, liveness_service, lock};
+use crate::{
+    Fault, FaultAction, HealthCheckMode, LoadMode, NOT_SERVING, State, WatchControl,
+    liveness_service, lock,
+};
 
 pub(crate) fn handler(state: Arc<State>) -> Handler {
     Arc::new(move |req: &Request| route(&state, req))
@@ -132,6 +136,14 @@ fn route(state: &State, req: &Request) -> Response {
             }
             None => Response::text(400, "version is required\n"),
         },
+        "/fault" => match fault(req) {
+            Ok(f) => {
+                let said = format!("next Generate: {f:?}\n");
+                *lock(&state.fault) = Some(f);
+                Response::text(200, said)
+            }
+            Err(e) => Response::text(400, format!("{e}\n")),
+        },
         "/stop" => {
             let grace = req
                 .param("grace_ms")
@@ -164,4 +176,44 @@ fn route(state: &State, req: &Request) -> Response {
         }
         _ => Response::text(404, "unknown control path\n"),
     }
+}
+
+/// The fault `/fault` asks for.
+fn fault(req: &Request) -> Result<Fault, String> {
+    let at = match req.param("at").map(str::parse::<u32>) {
+        None => 0,
+        Some(Ok(at)) => at,
+        Some(Err(_)) => return Err("at: a message number".into()),
+    };
+    let action = match req.param("action") {
+        Some("cut") => FaultAction::Cut {
+            code: match req.param("code").map(str::parse::<i32>) {
+                None => 13,
+                Some(Ok(code)) if (1..=16).contains(&code) => code,
+                Some(_) => return Err("code: a gRPC status code, 1 to 16".into()),
+            },
+            message: req
+                .param("message")
+                .unwrap_or("mock fault: the stream was cut")
+                .to_string(),
+        },
+        Some("exit") => FaultAction::Exit,
+        Some("malformed") => FaultAction::Malformed,
+        Some("replay") => FaultAction::Replay,
+        other => {
+            return Err(format!(
+                "action: cut, exit, malformed or replay (got {other:?})"
+            ));
+        }
+    };
+    let max_prompt = match req.param("max_prompt").map(str::parse::<usize>) {
+        None => None,
+        Some(Ok(n)) => Some(n),
+        Some(Err(_)) => return Err("max_prompt: a token count".into()),
+    };
+    Ok(Fault {
+        at,
+        action,
+        max_prompt,
+    })
 }

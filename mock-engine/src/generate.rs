@@ -11,7 +11,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
 
-use crate::{State, lock};
+use crate::{Fault, FaultAction, State, lock};
 
 /// What one Generate asks for, in any API.
 pub(crate) struct Ask {
@@ -29,9 +29,14 @@ pub(crate) fn token(seed: u64, i: u32) -> u32 {
         % 32_000) as u32
 }
 
-fn seed_of(ask: &Ask) -> u64 {
+fn seed_of(ask: &Ask, by_prompt: bool) -> u64 {
     let mut seed: u64 = 17;
-    for b in ask.request_id.bytes() {
+    let id = if by_prompt {
+        ""
+    } else {
+        ask.request_id.as_str()
+    };
+    for b in id.bytes() {
         seed = seed.wrapping_mul(31).wrapping_add(u64::from(b));
     }
     for id in &ask.prompt {
@@ -78,10 +83,12 @@ pub(crate) fn start<M: Send + 'static>(
         return Err(status);
     }
     let big_headers = requested_header_bytes(&ask.request_id);
+    let fault = take_fault(&state, ask.prompt.len());
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let delay = state.config.token_delay;
+    let (delay, end_delay) = (state.config.token_delay, state.config.end_delay);
+    let by_prompt = state.config.seed_by_prompt;
     tokio::spawn(async move {
-        let seed = seed_of(&ask);
+        let seed = seed_of(&ask, by_prompt);
         let prompt = ask.prompt.len() as u32;
         let id = ask.request_id.clone();
         let mut all = Vec::with_capacity(ask.max_tokens as usize);
@@ -93,7 +100,16 @@ pub(crate) fn start<M: Send + 'static>(
             lock(&state.cancelled_ids).push(id.to_string());
             state.journal("cancelled", id);
         };
-        for i in 0..ask.max_tokens {
+        for i in 0..=ask.max_tokens {
+            if let Some(Fault { at, action, .. }) = &fault
+                && *at == i
+                && strike(&state, &tx, action, &id).await
+            {
+                return;
+            }
+            if i == ask.max_tokens {
+                break;
+            }
             if !delay.is_zero() {
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
@@ -111,8 +127,29 @@ pub(crate) fn start<M: Send + 'static>(
                 return cancelled(&state, &id);
             }
         }
+        let last = all.last().copied();
         if tx.send(Ok(complete(all, prompt))).await.is_err() {
             return cancelled(&state, &id);
+        }
+        if let (
+            Some(Fault {
+                action: FaultAction::Replay,
+                ..
+            }),
+            Some(t),
+        ) = (&fault, last)
+        {
+            state.journal("replay", &id);
+            let _ = tx.send(Ok(chunk(t, ask.max_tokens - 1, prompt))).await;
+        }
+        // The stream ends a moment after its final message, as a real
+        // engine's does; a client that resets it in between cancels a
+        // generation that had finished.
+        if !end_delay.is_zero() {
+            tokio::select! {
+                () = tokio::time::sleep(end_delay) => {}
+                () = tx.closed() => return cancelled(&state, &id),
+            }
         }
         state.journal("done", &id);
         state
@@ -127,4 +164,41 @@ pub(crate) fn start<M: Send + 'static>(
         response.metadata_mut().insert("x-big", value);
     }
     Ok(response)
+}
+
+/// The planted fault, if it is for a Generate with this prompt.
+pub(crate) fn take_fault(state: &State, prompt_len: usize) -> Option<Fault> {
+    let mut fault = lock(&state.fault);
+    if fault.as_ref().is_some_and(|f| f.applies_to(prompt_len)) {
+        fault.take()
+    } else {
+        None
+    }
+}
+
+/// Carries out a planted fault where its message would go; whether the
+/// stream is over. A malformed message is the kind's to build (its
+/// `chunk` and `complete` see the fault), and a replay comes after the end.
+async fn strike<M>(
+    state: &State,
+    tx: &tokio::sync::mpsc::Sender<Result<M, Status>>,
+    action: &FaultAction,
+    id: &str,
+) -> bool {
+    match action {
+        FaultAction::Cut { code, message } => {
+            state.journal("cut", id);
+            let status = Status::new(tonic::Code::from_i32(*code), message.clone());
+            let _ = tx.send(Err(status)).await;
+            true
+        }
+        FaultAction::Exit => {
+            state.journal("exit", id);
+            // The tokens before are in the channel: give them time to reach
+            // the wire, as a process killed between two tokens has sent them.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            std::process::exit(137);
+        }
+        FaultAction::Malformed | FaultAction::Replay => false,
+    }
 }

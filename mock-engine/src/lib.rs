@@ -70,6 +70,14 @@ pub struct MockConfig {
     pub max_seq_len: i32,
     /// Delay before each generated token.
     pub token_delay: Duration,
+    /// How long a Generate stream stays open after its final message before
+    /// it ends (its trailers): a real engine's servicer ends the stream a
+    /// scheduler step after the last output, not in the same write.
+    pub end_delay: Duration,
+    /// Tokens follow from the prompt alone, not the request id: a test that
+    /// does not know the id its front end will give a request can say in
+    /// advance what the engine will answer.
+    pub seed_by_prompt: bool,
     /// How health is served.
     pub health: HealthMode,
     /// Where to append the Generate journal, if anywhere.
@@ -124,6 +132,39 @@ pub(crate) enum HealthCheckMode {
 pub(crate) enum WatchControl {
     End,
     Fail { code: i32, message: String },
+}
+
+/// A fault the control endpoint plants in the next Generate (`/fault`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Fault {
+    /// The message the fault replaces: tokens count from 0, and the number
+    /// of tokens asked for is the final message.
+    pub(crate) at: u32,
+    pub(crate) action: FaultAction,
+    /// Only a Generate whose prompt has at most this many tokens takes it
+    /// (a request migrated here with the tokens it already had does not).
+    pub(crate) max_prompt: Option<usize>,
+}
+
+impl Fault {
+    pub(crate) fn applies_to(&self, prompt_len: usize) -> bool {
+        self.max_prompt.is_none_or(|max| prompt_len <= max)
+    }
+}
+
+/// What a planted fault does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FaultAction {
+    /// The stream fails with this status: the engine stays up.
+    Cut { code: i32, message: String },
+    /// The whole engine process dies (exit 137, as after a SIGKILL), once the
+    /// tokens before reached the wire.
+    Exit,
+    /// The message is one no client can read (OpenEngine: a response that
+    /// carries no event).
+    Malformed,
+    /// After the final message, the last token is sent again.
+    Replay,
 }
 
 /// Counters the tests read through `/stats`.
@@ -181,6 +222,8 @@ pub(crate) struct State {
     /// The KV cache's load as OpenEngine's GetLoad reports it (set through
     /// the control endpoint's `/load`).
     pub(crate) kv: Mutex<KvLoad>,
+    /// The fault the next Generate takes (`/fault`), if any.
+    pub(crate) fault: Mutex<Option<Fault>>,
 }
 
 /// The mock's KV cache as OpenEngine reports it: a fixed block size and
@@ -363,6 +406,7 @@ pub async fn run(
             running: 0,
             queued: 0,
         }),
+        fault: Mutex::new(None),
     });
 
     let control_cancel = CancellationToken::new();

@@ -58,6 +58,14 @@ pub struct MockArgs {
     /// Delay before each generated token.
     #[arg(long, default_value = "0ms", value_parser = duration)]
     pub token_delay: Duration,
+    /// How long each Generate stream stays open after its final message
+    /// before it ends (a real engine's trailers follow its last output).
+    #[arg(long, default_value = "0ms", value_parser = duration)]
+    pub end_delay: Duration,
+    /// Tokens follow from the prompt alone, not the request id (so a test
+    /// can say in advance what a request through another front end gets).
+    #[arg(long)]
+    pub seed_by_prompt: bool,
     /// Serve no grpc.health.v1 at all (like an OpenEngine server before
     /// TensorRT-LLM #20437).
     #[arg(long, conflicts_with = "liveness_unregistered")]
@@ -107,6 +115,8 @@ pub fn run(args: MockArgs) -> i32 {
         max_input_len: args.max_input_len,
         max_seq_len: args.max_seq_len,
         token_delay: args.token_delay,
+        end_delay: args.end_delay,
+        seed_by_prompt: args.seed_by_prompt,
         journal: args.journal,
         hold_watch: args.hold_watch,
         watch_unknown_not_found: args.watch_unknown_not_found,

@@ -7,6 +7,7 @@
 mod etcd;
 #[path = "../../../bin/tests/process/support/proc.rs"]
 mod proc;
+mod requests;
 mod support;
 
 use std::time::{Duration, Instant};
@@ -46,6 +47,18 @@ impl Setup {
         token_delay: &str,
         worker_env: &[(&str, String)],
     ) -> Setup {
+        Self::start_with(name, n, etcd, token_delay, worker_env, &[])
+    }
+
+    /// As [`Setup::start_with_env`], the frontend with these flags too.
+    fn start_with(
+        name: &str,
+        n: usize,
+        etcd: bool,
+        token_delay: &str,
+        worker_env: &[(&str, String)],
+        frontend_args: &[&str],
+    ) -> Setup {
         let dir = TempDir::new(name);
         let store = if etcd {
             Store::Etcd(Box::new(Etcd::started(&dir.0)))
@@ -56,7 +69,7 @@ impl Setup {
         };
         let tokenizer = write_tokenizer(&dir.0);
         let model = tokenizer.display().to_string();
-        let frontend = Frontend::start(&dir.0, &store);
+        let frontend = Frontend::start_with(&dir.0, &store, frontend_args);
         let mut engines = Vec::new();
         let mut workers = Vec::new();
         let mut ids = Vec::new();
@@ -112,12 +125,8 @@ fn engine_text(engine: &Engine, prompt: &[u32]) -> (String, serde_json::Value) {
         .find(|a| a["prompt"] == serde_json::json!(prompt))
         .cloned()
         .unwrap_or_else(|| panic!("the engine saw prompt {prompt:?}: {stats}"));
-    let id = asked["request_id"].as_str().expect("request id");
     let max = asked["max_tokens"].as_u64().expect("max_tokens") as u32;
-    let text: String = (0..max)
-        .map(|i| format!(" w{}", mock_token(id, prompt, i)))
-        .collect();
-    (text, asked)
+    (words(&mock_tokens(prompt, max)), asked)
 }
 
 #[test]
@@ -319,6 +328,13 @@ fn a_client_that_disconnects_mid_stream_makes_the_worker_abort_the_engine_call()
     );
     wait_until(HANG, "the engine's generation to end", || {
         s.engines[0].stats()["generate_cancelled"] == 1
+    });
+    // The worker's account counts the request as its caller's cancel.
+    let admin = s.workers[0].admin.expect("an admin port");
+    let cancelled = "llm_sidecar_calls_total{outcome=\"cancelled_by_caller\"} 1";
+    wait_until(HANG, "the account to show the cancel", || {
+        llm_sidecar_loadgen::local::http_get(admin, "/metrics", Duration::from_secs(10))
+            .is_some_and(|(_, page)| page.lines().any(|l| l == cancelled))
     });
     // The worker keeps serving.
     let (status, answer) = s

@@ -130,14 +130,12 @@ pub fn write_tokenizer(dir: &Path) -> PathBuf {
     tok
 }
 
-/// The mock engine's `i`-th token for a request: the same formula as the
-/// mock's (mock-engine/src/generate.rs), so a test can say what the engine
-/// produced without asking it.
-pub fn mock_token(request_id: &str, prompt: &[u32], i: u32) -> u32 {
+/// The mock engine's `i`-th token for a prompt: the same formula as the
+/// mock's (mock-engine/src/generate.rs, `--seed-by-prompt`, which every
+/// engine of these tests runs with), so a test can say what the engine
+/// will produce before the frontend names the request.
+pub fn mock_token(prompt: &[u32], i: u32) -> u32 {
     let mut seed: u64 = 17;
-    for b in request_id.bytes() {
-        seed = seed.wrapping_mul(31).wrapping_add(u64::from(b));
-    }
     for id in prompt {
         seed = seed.wrapping_mul(31).wrapping_add(u64::from(*id));
     }
@@ -145,6 +143,34 @@ pub fn mock_token(request_id: &str, prompt: &[u32], i: u32) -> u32 {
         .wrapping_mul(2_654_435_761)
         .wrapping_add(u64::from(i) * 7_919))
         % 32_000) as u32
+}
+
+/// The mock's first `n` tokens for a prompt.
+pub fn mock_tokens(prompt: &[u32], n: u32) -> Vec<u32> {
+    (0..n).map(|i| mock_token(prompt, i)).collect()
+}
+
+/// The text the frontend makes of token ids (the word-level tokenizer).
+pub fn words(tokens: &[u32]) -> String {
+    tokens.iter().map(|t| format!(" w{t}")).collect()
+}
+
+/// Whether any of these tokens is special (no text: `<unk>`, `<s>`, `</s>`,
+/// the last of them the end of sequence, where the frontend stops).
+pub fn any_special(tokens: &[u32]) -> bool {
+    tokens.iter().any(|t| *t < 3)
+}
+
+/// The mock's logprob of a token's `rank`-th candidate (0: the token
+/// itself) and that candidate's id (mock-engine/src/kinds/openengine.rs).
+pub fn mock_logprob(token: u32, rank: u32) -> f64 {
+    -f64::from(token % 50) / 10.0 - 0.25 - f64::from(rank) * 0.5
+}
+
+/// See [`mock_logprob`].
+pub fn mock_candidate(token: u32, rank: u32) -> u32 {
+    let id = (token + 97 * rank) % 32_000;
+    if id < 3 { id + 3 } else { id }
 }
 
 /// Where the workers register: a file store, or a real etcd.
@@ -218,8 +244,13 @@ pub struct Frontend {
 
 impl Frontend {
     pub fn start(dir: &Path, store: &Store) -> Self {
+        Self::start_with(dir, store, &[])
+    }
+
+    /// As [`Frontend::start`], with more of the frontend's flags.
+    pub fn start_with(dir: &Path, store: &Store, extra: &[&str]) -> Self {
         let http = free_addr();
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "-m",
             "dynamo.frontend",
             "--discovery-backend",
@@ -232,6 +263,7 @@ impl Frontend {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
         let env = store.env();
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let python = python();
@@ -353,6 +385,11 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// The mock engine at this pace. Its tokens follow from the prompt alone
+    /// (`--seed-by-prompt`), and each stream ends a token's time after its
+    /// final message (`--end-delay`), as a real engine's trailers follow its
+    /// last output: a worker that drops the stream at the final message
+    /// cancels a finished generation, and the mock counts it.
     pub fn start(dir: &Path, token_delay: &str) -> Self {
         let grpc = free_addr();
         let control = free_addr();
@@ -364,6 +401,9 @@ impl Engine {
             "tiny",
             "--token-delay",
             token_delay,
+            "--end-delay",
+            token_delay,
+            "--seed-by-prompt",
             "--listen",
             &grpc.to_string(),
             "--control-listen",
