@@ -35,7 +35,7 @@ pub enum Command {
     /// by --startup-deadline: exit 3. Bad flags: exit 2, nothing contacted.
     Run(Box<RunArgs>),
     /// Run a CPU-only fake engine of any kind (for tests and demos).
-    MockEngine(MockArgs),
+    MockEngine(Box<MockArgs>),
     /// List the workers registered in discovery.
     Instances(InstancesArgs),
     /// Look once at an engine (any kind) or a running sidecar; exit 0 only

@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     runtime::init_logging(cli.log_format());
     let code = match cli.command {
         cli::Command::Run(args) => commands::run::run(*args),
-        cli::Command::MockEngine(args) => commands::mock_engine::run(args),
+        cli::Command::MockEngine(args) => commands::mock_engine::run(*args),
         cli::Command::Instances(args) => commands::instances::run(args),
         cli::Command::Probe(args) => commands::probe::run(args),
         cli::Command::CopyBinary(args) => commands::copy_binary::run(args),

@@ -5,7 +5,7 @@
 //! account at exit includes it.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 use crate::answer::{self, Reader, Step, status_error};
+use crate::kv_events::{self, NoEvents};
 use crate::load::{self, Capacity};
 use crate::request::{self, Capabilities};
 
@@ -66,7 +67,9 @@ pub struct Bridge {
     caps: Mutex<Capabilities>,
     /// Requests whose engine stream is open.
     open: Arc<OpenStreams>,
-    /// Ends the load poller with this worker.
+    /// Dynamo's id of this worker, once it started (the KV events name it).
+    worker_id: AtomicU64,
+    /// Ends the load poller and the KV event relays with this worker.
     stop: CancellationToken,
 }
 
@@ -88,6 +91,7 @@ impl Bridge {
             capacity: Mutex::new(Capacity::default()),
             caps: Mutex::new(Capabilities::default()),
             open: Arc::new(OpenStreams::default()),
+            worker_id: AtomicU64::new(0),
             stop,
         }
     }
@@ -188,7 +192,8 @@ fn read_to_end(
 
 #[async_trait]
 impl LLMEngine for Bridge {
-    async fn start(&self, _worker_id: u64) -> Result<EngineConfig, DynamoError> {
+    async fn start(&self, worker_id: u64) -> Result<EngineConfig, DynamoError> {
+        self.worker_id.store(worker_id, Ordering::Relaxed);
         // The engine answered its start-up calls before llm-sidecar
         // registered; its capacity is read here, for the registration.
         let capacity = load::read_capacity(self.channel())
@@ -230,6 +235,68 @@ impl LLMEngine for Bridge {
             }),
             ..Default::default()
         })
+    }
+
+    /// The engine's KV event publishers, one per rank, each relayed by a
+    /// task of this worker (`kv_events`): none (one line saying why) when the
+    /// engine lists none, has no such RPC, or reports no block size.
+    async fn kv_event_sources(
+        &self,
+    ) -> Result<Vec<dynamo_backend_common::KvEventSource>, DynamoError> {
+        let capacity = self.capacity();
+        let found = match capacity.kv_block_size {
+            None => Err(NoEvents::NoBlockSize),
+            Some(_) => kv_events::discover(self.channel(), &capacity.ranks()).await,
+        };
+        let sources = match found {
+            Ok(sources) => sources,
+            Err(why @ (NoEvents::Failed(_) | NoEvents::Unusable(_))) => {
+                tracing::warn!(
+                    "the engine's KV events are not relayed: {why}; Dynamo's router routes \
+                     this worker as one without events"
+                );
+                return Ok(Vec::new());
+            }
+            Err(why) => {
+                tracing::info!(
+                    "no KV events: {why}; Dynamo's router routes this worker as one without \
+                     events"
+                );
+                return Ok(Vec::new());
+            }
+        };
+        if capacity.kv_event_heartbeat.is_none() {
+            tracing::info!(
+                "the engine advertises no KV event heartbeat (kv_event_heartbeat_interval_ms): \
+                 a publisher that falls silent is not noticed"
+            );
+        }
+        let block_size = capacity.kv_block_size.unwrap_or_default();
+        let worker_id = self.worker_id.load(Ordering::Relaxed);
+        Ok(sources
+            .into_iter()
+            .map(|source| {
+                let (rank, stop) = (source.rank, self.stop.clone());
+                let heartbeat = capacity.kv_event_heartbeat;
+                dynamo_backend_common::KvEventSource::Push {
+                    dp_rank: rank,
+                    on_ready: Box::new(move |publisher| {
+                        tokio::spawn(
+                            kv_events::Relay {
+                                source,
+                                publisher,
+                                worker_id,
+                                block_size,
+                                heartbeat,
+                                stop,
+                            }
+                            .run(),
+                        );
+                        Ok(())
+                    }),
+                }
+            })
+            .collect())
     }
 
     /// Declares the ranks whose load is published, and starts the `GetLoad`

@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use dynamo_backend_common::{ComponentSnapshot, SnapshotPublisher};
 use llm_sidecar_engine_api::openengine::control_client::ControlClient;
 use llm_sidecar_engine_api::openengine::{GetLoadRequest, GetServerInfoRequest, LoadInfo};
+use llm_sidecar_engine_api::prost_types;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -40,6 +41,9 @@ pub struct Capacity {
     pub max_batched_tokens: Option<u64>,
     pub data_parallel_size: u32,
     pub data_parallel_start_rank: u32,
+    /// How often the engine's KV event publishers send a heartbeat
+    /// (`ServerInfo.extra.kv_event_heartbeat_interval_ms`), if it says.
+    pub kv_event_heartbeat: Option<Duration>,
 }
 
 impl Capacity {
@@ -70,7 +74,21 @@ pub async fn read_capacity(channel: Channel) -> Result<Capacity, tonic::Status> 
         max_batched_tokens: capacity.max_batched_tokens,
         data_parallel_size: parallelism.data_parallel_size.unwrap_or(1).max(1),
         data_parallel_start_rank: parallelism.data_parallel_start_rank.unwrap_or(0),
+        kv_event_heartbeat: info.extra.as_ref().and_then(heartbeat_interval),
     })
+}
+
+/// `kv_event_heartbeat_interval_ms` from `ServerInfo.extra`: a positive
+/// number of milliseconds, anything else ignored.
+fn heartbeat_interval(extra: &prost_types::Struct) -> Option<Duration> {
+    match extra.fields.get("kv_event_heartbeat_interval_ms")?.kind {
+        Some(prost_types::value::Kind::NumberValue(ms))
+            if ms.is_finite() && ms >= 1.0 && ms <= f64::from(u32::MAX) =>
+        {
+            Some(Duration::from_millis(ms as u64))
+        }
+        _ => None,
+    }
 }
 
 /// The snapshots one `GetLoad` answer makes: one per rank it reports, or,

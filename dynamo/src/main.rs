@@ -14,6 +14,7 @@
 mod answer;
 mod args;
 mod bridge;
+mod kv_events;
 mod load;
 mod own_channels;
 mod registry;

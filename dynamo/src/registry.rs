@@ -36,10 +36,12 @@ const WATCH_POLL: Duration = Duration::from_secs(1);
 struct Ours {
     /// The instance record (`v1/instances/...`).
     instance: bool,
-    /// Model cards (`v1/mdc/...`), event sources, and (when asked for) the
-    /// event channels this process publishes (`v1/event_channels/...`):
-    /// Dynamo's worker leaves these behind until its own cleanup or the
-    /// process's exit, so the withdrawal removes them itself.
+    /// Model cards (`v1/mdc/...`), the other endpoints of this instance (the
+    /// KV publisher's query endpoint), and (when asked for) the KV event
+    /// sources naming this worker (`v1/event_sources/...`) and the event
+    /// channels this process publishes (`v1/event_channels/...`): Dynamo's
+    /// worker leaves these behind until its own cleanup or the process's
+    /// exit, so the withdrawal removes them itself.
     rest: Vec<DiscoveryInstance>,
 }
 
@@ -179,14 +181,24 @@ async fn ours(
         source: std::io::Error::other(format!("{e:#}")),
     };
     let discovery = drt.discovery();
-    let instances = discovery
-        .list(DiscoveryQuery::Endpoint {
+    // Every endpoint of the component: beside the served one, Dynamo's KV
+    // publisher registers a query endpoint of its own under the same id
+    // (`worker_kv_query_source_<publisher>`), which the router asks to
+    // recover this worker's blocks.
+    let endpoints = discovery
+        .list(DiscoveryQuery::ComponentEndpoints {
             namespace: worker.namespace.clone(),
             component: worker.component.clone(),
-            endpoint: worker.endpoint.clone(),
         })
         .await
         .map_err(read)?;
+    let (instances, others): (Vec<_>, Vec<_>) = endpoints
+        .into_iter()
+        .filter(|e| e.instance_id() == id)
+        .partition(|e| match e {
+            DiscoveryInstance::Endpoint(i) => i.endpoint == worker.endpoint,
+            _ => false,
+        });
     let cards = discovery
         .list(DiscoveryQuery::EndpointModels {
             namespace: worker.namespace.clone(),
@@ -199,12 +211,30 @@ async fn ours(
         .into_iter()
         .filter(|c| c.instance_id() == id)
         .collect();
+    rest.extend(others);
     if channels {
+        // A KV event source is named by its publisher's incarnation; the
+        // worker it speaks for is in its descriptor.
         let sources = discovery
             .list(DiscoveryQuery::EventSources(EventSourceQuery::all()))
             .await
             .map_err(read)?;
-        rest.extend(sources.into_iter().filter(|s| s.instance_id() == id));
+        rest.extend(sources.into_iter().filter(|s| {
+            match s {
+                DiscoveryInstance::EventSource {
+                    publisher_id,
+                    metadata,
+                    ..
+                } => {
+                    *publisher_id == id
+                        || metadata
+                            .pointer("/worker/worker_id")
+                            .and_then(|w| w.as_u64())
+                            == Some(id)
+                }
+                _ => false,
+            }
+        }));
         let listening = own_channels::listening_ports();
         let channels = discovery
             .list(DiscoveryQuery::EventChannels(EventChannelQuery::all()))
@@ -222,7 +252,7 @@ async fn ours(
         }));
     }
     Ok(Ours {
-        instance: instances.iter().any(|i| i.instance_id() == id),
+        instance: !instances.is_empty(),
         rest,
     })
 }

@@ -13,6 +13,7 @@
 //! | `/healthcheck?mode=ok\|stall\|text&text=T` | how HealthCheck answers |
 //! | `/identity?version=V` | change the version GetServerInfo reports |
 //! | `/fault?action=cut\|exit\|malformed\|replay&at=N[&code=C&message=M]` | the next Generate's message `at` (tokens count from 0; the number of tokens asked for is the final message) is replaced: `cut` fails the stream with status C (13) and message M, `exit` ends the mock process (exit 137, as a kill), `malformed` sends a message no client can read (OpenEngine: no event); `replay` sends the last token again after the final message; `max_prompt=P`: only a Generate whose prompt has at most P tokens takes it |
+//! | `/kv-events?publish=on\|off` | the OpenEngine KV event publisher sends nothing (neither events nor heartbeats) while off, as one that died while the engine serves |
 //! | `/stop?grace_ms=N` | graceful stop: NOT_SERVING, cancel calls after the grace, exit |
 //! | `/stats` | counters as JSON |
 
@@ -144,6 +145,14 @@ fn route(state: &State, req: &Request) -> Response {
             }
             Err(e) => Response::text(400, format!("{e}\n")),
         },
+        "/kv-events" => match (&state.kv_events, req.param("publish")) {
+            (None, _) => Response::text(404, "this engine publishes no KV events\n"),
+            (Some(events), Some(publish @ ("on" | "off"))) => {
+                events.set_silent(publish == "off");
+                Response::text(200, format!("KV events and heartbeats: {publish}\n"))
+            }
+            (Some(_), _) => Response::text(400, "publish: on or off\n"),
+        },
         "/stop" => {
             let grace = req
                 .param("grace_ms")
@@ -171,6 +180,13 @@ fn route(state: &State, req: &Request) -> Response {
                 "cancelled_ids": *lock(&state.cancelled_ids),
                 "asked": *lock(&state.asked),
                 "aborted_ids": *lock(&state.aborted_ids),
+                "kv_events": state.kv_events.as_ref().map(|e| serde_json::json!({
+                    "address": e.addr.to_string(),
+                    "publishing": !e.is_silent(),
+                    "messages": e.published.load(Ordering::Relaxed),
+                    "events": e.events.load(Ordering::Relaxed),
+                    "blocks_held": e.blocks_held(),
+                })),
             });
             Response::json(200, json.to_string() + "\n")
         }

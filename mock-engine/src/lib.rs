@@ -15,6 +15,7 @@ mod echo;
 mod generate;
 mod health;
 mod kinds;
+mod kv_events;
 mod service;
 
 pub use llm_sidecar_io::engine::EngineKind;
@@ -107,6 +108,12 @@ pub struct MockConfig {
     pub load_unimplemented: bool,
     /// GetServerInfo answers UNIMPLEMENTED, as servers older than it do.
     pub server_info_unimplemented: bool,
+    /// Where the OpenEngine kind publishes its KV-cache events (ZMQ PUB;
+    /// port 0 picks one); `None`: no events, and `GetKvEventSources`
+    /// answers UNIMPLEMENTED, as TensorRT-LLM's older servers do.
+    pub kv_events_listen: Option<SocketAddr>,
+    /// How often the KV event publisher sends an empty batch.
+    pub kv_event_heartbeat: Duration,
 }
 
 /// How GetLoad / GetLoads answer.
@@ -224,6 +231,8 @@ pub(crate) struct State {
     pub(crate) kv: Mutex<KvLoad>,
     /// The fault the next Generate takes (`/fault`), if any.
     pub(crate) fault: Mutex<Option<Fault>>,
+    /// The KV-cache event publisher (OpenEngine only, unless turned off).
+    pub(crate) kv_events: Option<Arc<kv_events::KvEvents>>,
 }
 
 /// The mock's KV cache as OpenEngine reports it: a fixed block size and
@@ -287,6 +296,9 @@ pub enum MockError {
     /// A listen address could not be bound.
     #[error(transparent)]
     Bind(#[from] llm_sidecar_io::net::BindError),
+    /// The KV event publisher's address could not be read.
+    #[error("the KV event publisher: {0}")]
+    KvEvents(#[from] std::io::Error),
     /// The journal file could not be opened for appending.
     #[error("cannot open the journal {path}: {source}")]
     Journal {
@@ -359,6 +371,20 @@ pub async fn run(
         None => None,
     };
     let control_listener = llm_sidecar_io::net::bind("control", config.control_listen).await?;
+    let events_stop = CancellationToken::new();
+    let kv_events = match config.kv_events_listen {
+        Some(listen) if config.kind == EngineKind::OpenEngine && !config.no_engine_api => {
+            let listener = llm_sidecar_io::net::bind("KV events", listen).await?;
+            Some(kv_events::KvEvents::start(
+                listener,
+                config.kv_event_heartbeat,
+                KV_BLOCK_SIZE,
+                TOTAL_KV_BLOCKS,
+                events_stop.clone(),
+            )?)
+        }
+        _ => None,
+    };
     let started = std::time::Instant::now();
     let start_unix_secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -407,6 +433,7 @@ pub async fn run(
             queued: 0,
         }),
         fault: Mutex::new(None),
+        kv_events,
     });
 
     let control_cancel = CancellationToken::new();
@@ -548,6 +575,7 @@ pub async fn run(
     tokio::time::sleep(Duration::from_millis(50)).await;
     server.abort();
     control_cancel.cancel();
+    events_stop.cancel();
     Ok(())
 }
 

@@ -98,6 +98,18 @@ pub struct MockArgs {
     /// GetServerInfo answers UNIMPLEMENTED, as servers older than it do.
     #[arg(long)]
     pub server_info_unimplemented: bool,
+    /// Where the OpenEngine kind publishes its KV-cache events (a ZMQ PUB
+    /// socket, advertised by Control.GetKvEventSources; port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0", conflicts_with = "no_kv_events")]
+    pub kv_events_listen: SocketAddr,
+    /// How often the KV event publisher sends an empty batch (advertised in
+    /// GetServerInfo's extra as kv_event_heartbeat_interval_ms).
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    pub kv_event_heartbeat: Duration,
+    /// Publish no KV events: GetKvEventSources answers UNIMPLEMENTED, as
+    /// TensorRT-LLM's older OpenEngine servers do.
+    #[arg(long)]
+    pub no_kv_events: bool,
     /// Log format (stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -128,6 +140,8 @@ pub fn run(args: MockArgs) -> i32 {
         no_engine_api: args.no_engine_api,
         load_unimplemented: args.load_unimplemented,
         server_info_unimplemented: args.server_info_unimplemented,
+        kv_events_listen: (!args.no_kv_events).then_some(args.kv_events_listen),
+        kv_event_heartbeat: args.kv_event_heartbeat,
         health: if args.no_health {
             HealthMode::Absent
         } else if args.liveness_unregistered {

@@ -5,6 +5,7 @@
 
 #[path = "../../../bin/tests/process/support/etcd.rs"]
 mod etcd;
+mod kv;
 #[path = "../../../bin/tests/process/support/proc.rs"]
 mod proc;
 mod requests;
@@ -478,21 +479,28 @@ fn an_engine_loss_on_etcd_leaves_no_key_of_the_worker_while_it_drains() {
         assert_eq!(get(addr, path), Some(200), "{addr}{path} while serving");
     }
     // Dynamo's worker registers its event channels (kv_metrics,
-    // active_sequences_events) under random publisher ids, not its instance
-    // id; in this setup it is the only publisher of any.
+    // active_sequences_events, kv-events) and its KV event source under
+    // random publisher ids, not its instance id; in this setup it is the
+    // only publisher of any.
     let channels = || -> Vec<String> {
         s.store
             .keys()
             .into_iter()
-            .filter(|k| k.contains("event_channels/"))
+            .filter(|k| k.contains("event_channels/") || k.contains("event_sources/"))
             .collect()
     };
     eprintln!("etcd while serving: {:?}", s.store.keys());
-    assert!(
-        !channels().is_empty(),
-        "the worker's event channels: {:?}",
-        s.store.keys()
-    );
+    for what in [
+        "event_channels/",
+        "event_sources/",
+        "worker_kv_query_source",
+    ] {
+        assert!(
+            s.store.keys().iter().any(|k| k.contains(what)),
+            "the worker's {what} keys: {:?}",
+            s.store.keys()
+        );
+    }
     // 150 tokens at 20 ms: the drain lasts about three seconds.
     let (stream, first) = s.frontend.open_stream(
         "/v1/completions",

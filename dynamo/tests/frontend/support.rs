@@ -300,6 +300,13 @@ impl Frontend {
             .unwrap_or_default()
     }
 
+    /// The frontend's own `/metrics` page (its router's among them).
+    pub fn metrics(&self) -> String {
+        llm_sidecar_loadgen::local::http_get(self.http, "/metrics", Duration::from_secs(10))
+            .map(|r| r.1)
+            .unwrap_or_default()
+    }
+
     /// `POST path` with a JSON body; the status and the (de-chunked) body.
     pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, String) {
         let mut s = self.open_post(path, body);

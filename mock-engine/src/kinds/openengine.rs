@@ -15,11 +15,13 @@ use llm_sidecar_engine_api::openengine::guided_decoding::Guide;
 use llm_sidecar_engine_api::openengine::inference_server::Inference;
 use llm_sidecar_engine_api::openengine::{
     AbortRequest, AbortResponse, AbortStatus, DeploymentCapacity, EngineRole, FinishReason,
-    GenerateRequest, GenerateResponse, GenerationCapabilities, GenerationFinished, GetLoadRequest,
-    GetModelInfoRequest, GetServerInfoRequest, HealthRequest, HealthResponse, HealthState,
+    GenerateRequest, GenerateResponse, GenerationCapabilities, GenerationFinished,
+    GetKvEventSourcesRequest, GetKvEventSourcesResponse, GetLoadRequest, GetModelInfoRequest,
+    GetServerInfoRequest, HealthRequest, HealthResponse, HealthState, KvEndpoint, KvEventSource,
     LoadInfo, LogProb, ModelInfo, ParallelismInfo, RankLoadInfo, ServerInfo, TokenInfo,
     TokenOutput, Usage, abort_request, stop_condition,
 };
+use llm_sidecar_engine_api::prost_types;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -60,6 +62,11 @@ impl Inference for OpenEngine {
             Some(Input::TokenIds(t)) => t.ids,
             Some(Input::Prompt(_)) | None => Vec::new(),
         };
+        // The prompt's blocks are in the cache from now on (as after its
+        // prefill); the router hears of them through the KV events.
+        if let Some(events) = &self.state.kv_events {
+            events.served(&prompt);
+        }
         let malformed_at = lock(&self.state.fault)
             .as_ref()
             .filter(|f| f.action == FaultAction::Malformed && f.applies_to(prompt.len()))
@@ -197,6 +204,50 @@ impl Control for OpenEngine {
                 max_running_requests: None,
                 max_batched_tokens: None,
             }),
+            // As TensorRT-LLM's newer server: the heartbeat interval of its
+            // KV event publisher, when it runs one.
+            extra: s.kv_events.as_ref().map(|events| prost_types::Struct {
+                fields: [(
+                    "kv_event_heartbeat_interval_ms".to_string(),
+                    prost_types::Value {
+                        kind: Some(prost_types::value::Kind::NumberValue(
+                            events.heartbeat.as_millis() as f64,
+                        )),
+                    },
+                )]
+                .into(),
+            }),
+        }))
+    }
+
+    /// One ZMQ source for rank 0, or UNIMPLEMENTED without a publisher (as
+    /// TensorRT-LLM's older servers answer).
+    async fn get_kv_event_sources(
+        &self,
+        _: Request<GetKvEventSourcesRequest>,
+    ) -> Result<Response<GetKvEventSourcesResponse>, Status> {
+        let Some(events) = &self.state.kv_events else {
+            return Err(Status::unimplemented(
+                "Method not found: openengine.v1.Control/GetKvEventSources",
+            ));
+        };
+        Ok(Response::new(GetKvEventSourcesResponse {
+            sources: vec![KvEventSource {
+                transport: "zmq".into(),
+                endpoint_addr: Some(KvEndpoint {
+                    host: events.addr.ip().to_string(),
+                    port: u32::from(events.addr.port()),
+                    protocol: "tcp".into(),
+                }),
+                topic: crate::kv_events::TOPIC.into(),
+                replay_endpoint: String::new(),
+                data_parallel_rank: Some(0),
+                encoding: "msgpack".into(),
+                schema_version: Some(1),
+                buffer_steps: None,
+                hwm: None,
+                max_queue_size: None,
+            }],
         }))
     }
 
