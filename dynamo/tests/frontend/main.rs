@@ -551,9 +551,9 @@ fn rank0_gauge(page: &str, name: &str) -> Option<f64> {
 }
 
 /// The engine's KV capacity (GetServerInfo: 32-token blocks, 8,192 of them;
-/// Dynamo's default block size is 16)
-/// is in the model card the worker registers, and the load the engine
-/// reports (GetLoad, polled every 100 ms) reaches the worker's
+/// Dynamo's default block size is 16) is in the model card the worker
+/// registers and in what the frontend's KV router reads of it, and the load
+/// the engine reports (GetLoad, polled every 100 ms) reaches the worker's
 /// `dynamo_component_*` gauges on Dynamo's system port.
 #[test]
 fn the_engines_kv_capacity_is_registered_and_its_load_reaches_dynamos_gauges() {
@@ -562,7 +562,7 @@ fn the_engines_kv_capacity_is_registered_and_its_load_reaches_dynamos_gauges() {
         ("DYN_SYSTEM_HOST", system.ip().to_string()),
         ("DYN_SYSTEM_PORT", system.port().to_string()),
     ];
-    let s = Setup::start_with_env("dyn-load", 1, false, "2ms", &env);
+    let s = Setup::start_with("dyn-load", 1, false, "2ms", &env, &["--router-mode", "kv"]);
     let Store::File(kv) = &s.store else {
         unreachable!("a file store")
     };
@@ -575,6 +575,18 @@ fn the_engines_kv_capacity_is_registered_and_its_load_reaches_dynamos_gauges() {
         text.contains("\"kv_cache_block_size\":32") && text.contains("\"total_kv_blocks\":8192"),
         "the card carries the engine's block size and total: {text}"
     );
+    // The KV router reads them from the card.
+    let page = s.frontend.metrics();
+    for (name, value) in [
+        ("dynamo_frontend_model_kv_cache_block_size", "32"),
+        ("dynamo_frontend_model_total_kv_blocks", "8192"),
+    ] {
+        assert!(
+            page.lines()
+                .any(|l| l.starts_with(&format!("{name}{{")) && l.ends_with(&format!(" {value}"))),
+            "the frontend's {name} is {value}"
+        );
+    }
     let metrics = || {
         llm_sidecar_loadgen::local::http_get(system, "/metrics", Duration::from_secs(10))
             .map(|r| r.1)
