@@ -8,6 +8,14 @@ peak RSS over the load), then the engine is SIGKILLed with requests going on:
 how long until the worker's records leave discovery, and what the frontend's
 clients got meanwhile. A benchmark, not a test: it asserts nothing.
 
+`--affinity` runs the prefix-affinity story instead, behind the frontend's
+`--router-mode kv`: two llm-sidecar-dynamo workers (each before its own mock
+engine, which publishes KV events) and, as the peer baseline, two of Dynamo's
+own mocker workers (`python -m dynamo.mocker`, which publish theirs); one request
+with a 256-token prefix, then 49 sharing it, 20 ms apart: how many went to the
+worker that served the first (the frontend's `nvext.worker_id`), and the
+router's mean KV hit rate for them.
+
 `--migration` runs the migration story instead, for each sidecar: the frontend
 with `--migration-limit 1`, two workers of that sidecar, each in front of its
 own mock engine, and one streamed completion of 20 tokens whose engine dies
@@ -20,7 +28,8 @@ Usage (after `cargo build --release -p llm-sidecar -p llm-sidecar-dynamo` and
 with Dynamo's frontend installed, as scripts/test.sh does in target/dynamo-venv):
 
     python3 scripts/dynamo-bench.py [--streams 32] [--tokens 64] [--token-delay 20ms]
-        [--secs 20] [--python target/dynamo-venv/bin/python] [--migration]
+        [--secs 20] [--python target/dynamo-venv/bin/python] [--router-mode kv]
+        [--migration | --affinity]
 """
 
 import argparse
@@ -221,8 +230,10 @@ class Bench:
 
     def frontend(self, extra=()):
         port = free_port()
+        mode = ["--router-mode", self.args.router_mode] if self.args.router_mode else []
         self.spawn("frontend", [self.args.python, "-m", "dynamo.frontend", "--discovery-backend",
-                                "file", "--request-plane", "tcp", "--http-port", str(port), *extra])
+                                "file", "--request-plane", "tcp", "--http-port", str(port),
+                                *mode, *extra])
         wait("the frontend", lambda: get(port, "/v1/models")[0] == 200)
         return port
 
@@ -322,6 +333,54 @@ class Bench:
                         p.wait()
         return results
 
+    def mocker(self):
+        before = set(self.instances())
+        p = self.spawn(f"mocker-{free_port()}", [
+            self.args.python, "-m", "dynamo.mocker", "--model-path", self.model, "--model-name",
+            self.model, "--discovery-backend", "file", "--request-plane", "tcp",
+            "--kv-bytes-per-token", "1024", "--block-size", "32"])
+        wait("a mocker worker to register", lambda: set(self.instances()) - before)
+        return p
+
+    def affinity(self):
+        """Per kind of worker: 50 requests sharing a 256-token prefix behind
+        the KV router; how many follow the first to its worker."""
+        self.args.router_mode = "kv"
+        results = {}
+        prefix = " ".join(f"w{1000 + i}" for i in range(256))
+        for kind in ["dynamo-mocker", "llm-sidecar-dynamo"]:
+            self.kv = os.path.join(self.dir, f"kv-{kind}")
+            os.makedirs(self.kv)
+            self.env["DYN_FILE_KV"] = self.kv
+            port = self.frontend()
+            procs = []
+            for _ in range(2):
+                if kind == "dynamo-mocker":
+                    procs.append(self.mocker())
+                else:
+                    engine, grpc = self.engine()
+                    procs += [engine, self.sidecar(kind, grpc)]
+            wait("the model to be served", lambda: self.model in get(port, "/v1/models")[1])
+            time.sleep(1)
+            first = served_by(port, self.model, f"{prefix} w5000 w6000")
+            time.sleep(1)  # the first request's blocks reach the router's index
+            hits0 = kv_hit_rate(port)
+            same = 0
+            for n in range(1, 50):
+                time.sleep(0.02)
+                if served_by(port, self.model, f"{prefix} w{5000 + n} w{6000 + n}") == first:
+                    same += 1
+            hits = kv_hit_rate(port)
+            results[kind] = {
+                "followed_the_first": f"{same}/49",
+                "mean_kv_hit_rate": (hits[0] - hits0[0]) / max(hits[1] - hits0[1], 1),
+            }
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return results
+
     def close(self):
         for p in self.procs:
             if p.poll() is None:
@@ -331,6 +390,29 @@ class Bench:
             shutil.rmtree(self.dir, ignore_errors=True)
         else:
             print(f"kept {self.dir}", file=sys.stderr)
+
+
+def served_by(port, model, prompt):
+    """The worker that served a short completion (the frontend's nvext)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2,
+                       "nvext": {"extra_fields": ["worker_id"]}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["nvext"]["worker_id"]["decode_worker_id"]
+
+
+def kv_hit_rate(port):
+    """The KV router's hit-rate histogram: (sum, count)."""
+    total = [0.0, 0.0]
+    for line in get(port, "/metrics")[1].splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if line.startswith("#") or "router_kv_hit_rate" not in name:
+            continue
+        for i, suffix in enumerate(["_sum", "_count"]):
+            if name.endswith(suffix):
+                total[i] += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def mock_tokens(prompt, n):
@@ -417,12 +499,21 @@ def main():
                     help="seconds to watch the frontend's answers after the kill")
     ap.add_argument("--python", default=os.path.join(ROOT, "target/dynamo-venv/bin/python"))
     ap.add_argument("--keep", action="store_true", help="keep the logs")
+    ap.add_argument("--router-mode", default=None,
+                    help="the frontend's --router-mode (its default if not given)")
     ap.add_argument("--migration", action="store_true",
                     help="the migration story instead of the load (see above)")
+    ap.add_argument("--affinity", action="store_true",
+                    help="the prefix-affinity story instead of the load (see above)")
     args = ap.parse_args()
     bench = Bench(args)
     try:
-        results = bench.migration() if args.migration else bench.run()
+        if args.migration:
+            results = bench.migration()
+        elif args.affinity:
+            results = bench.affinity()
+        else:
+            results = bench.run()
     finally:
         bench.close()
     print(json.dumps(results, indent=2))

@@ -374,16 +374,21 @@ impl LLMEngine for Bridge {
             // its last item was taken, whatever ends it.
             let mut call: Admitted = call;
             let mut reader = Reader::new(&id, prompt_len);
+            // Made once, not per message: `stopped` is a boxed future and
+            // each new one registers anew.
+            let cut_fired = cut.clone().cancelled_owned();
+            tokio::pin!(cut_fired);
+            let mut stopped = ctx.stopped();
             loop {
                 let next = tokio::select! {
                     biased;
-                    () = cut.cancelled() => {
+                    () = &mut cut_fired => {
                         open.close(&id);
                         call.set_outcome(CallOutcome::CutAtDeadline);
                         yield Err(shutdown(CUT));
                         break;
                     }
-                    () = ctx.stopped() => {
+                    () = &mut stopped => {
                         // The framework calls `abort` (Control.Abort; the id
                         // stays open for it); dropping the engine stream
                         // resets it as well.

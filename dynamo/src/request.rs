@@ -697,6 +697,59 @@ mod tests {
         );
     }
 
+    /// The fields the frontend and the router use before the request reaches
+    /// this worker (docs/DYNAMO.md's "upstream" rows) are neither refused nor
+    /// sent on: with all of them set, the engine is asked exactly what it is
+    /// asked without them.
+    #[test]
+    fn upstream_fields_are_served_and_change_nothing_the_engine_is_asked() {
+        let plain = request(&[5, 6]);
+        let mut value = serde_json::to_value(&plain).expect("serialise");
+        let upstream = serde_json::json!({
+            "output_options": {
+                "skip_special_tokens": true, "no_stop_trim": true,
+                "formatted_prompt": true, "return_tokens_as_token_ids": true
+            },
+            "routing": {
+                "backend_instance_id": 9, "prefill_worker_id": 8, "decode_worker_id": 9,
+                "prefill_dp_rank": 0, "expected_output_tokens": 4, "priority_jump": 1.5,
+                "strict_priority": 2, "allowed_worker_ids": [9]
+            },
+            "router_config_override": {},
+            "annotations": ["formatted_prompt"],
+            "mdc_sum": "abc",
+            "request_timestamp_ms": 1.0,
+            "router": {"ttft_target": 100.0},
+            "agent_context": {"session_id": "s"},
+            "migration_link": {"trace_id": "t", "span_id": "s"},
+            "kv_hint": {"protocol_version": "1", "message_id": "m", "actions": []},
+            "extra_args": {
+                "nvext": {"extra_fields": ["worker_id"], "token_in": true},
+                "reasoning_parser_kwargs": {"chat_template_kwargs": {}}
+            },
+            "_HEALTH_CHECK": true
+        });
+        for (k, v) in upstream.as_object().expect("object") {
+            match (value.get_mut(k), v.as_object()) {
+                (Some(slot), Some(inner)) if slot.is_object() => {
+                    if let Some(slot) = slot.as_object_mut() {
+                        slot.extend(inner.clone());
+                    }
+                }
+                _ => value[k] = v.clone(),
+            }
+        }
+        let busy: PreprocessedRequest = serde_json::from_value(value).expect("a request");
+        assert!(
+            busy.routing.is_some() && busy.is_probe,
+            "the fields were read"
+        );
+        let (g_plain, md_plain) = mapped(&plain, &mock_caps());
+        let (g_busy, md_busy) = mapped(&busy, &mock_caps());
+        assert_eq!(g_busy, g_plain);
+        assert_eq!(md_busy.into_headers(), md_plain.into_headers());
+    }
+
     #[test]
     fn what_openengine_cannot_carry_is_refused_by_name() {
         let cases: Vec<(serde_json::Value, &str)> = vec![
