@@ -87,15 +87,15 @@ def peak_rss_mib(pid):
     return 0.0
 
 
-def stream_one(port, model, tokens, prompt):
-    """One streaming completion; (ttft, [gaps], tokens, ok)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens,
-                       "stream": True}).encode()
+def streamed_completion(port, body):
+    """A streamed completion, read as it comes: the time it was sent, each
+    SSE event with the time it arrived, and what followed the last event."""
+    body = json.dumps(dict(body, stream=True)).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     start = time.monotonic()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    arrivals, buf, ok = [], b"", False
+    events, buf = [], b""
     while True:
         chunk = s.recv(65536)
         if not chunk:
@@ -104,18 +104,28 @@ def stream_one(port, model, tokens, prompt):
         buf += chunk
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
-            line = event.split(b"data: ", 1)[-1]
-            if line.strip() == b"[DONE]":
-                ok = True
-                continue
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue
-            text = data.get("choices", [{}])[0].get("text")
-            if text:
-                arrivals.append(now)
+            events.append((now, event))
     s.close()
+    return start, events, buf
+
+
+def stream_one(port, model, tokens, prompt):
+    """One streaming completion; (ttft, [gaps], tokens, ok)."""
+    start, events, _ = streamed_completion(
+        port, {"model": model, "prompt": prompt, "max_tokens": tokens})
+    arrivals, ok = [], False
+    for now, event in events:
+        line = event.split(b"data: ", 1)[-1]
+        if line.strip() == b"[DONE]":
+            ok = True
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        text = data.get("choices", [{}])[0].get("text")
+        if text:
+            arrivals.append(now)
     if not arrivals:
         return None, [], 0, False
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
@@ -437,45 +447,33 @@ def migration_prompt():
 
 
 def migration_run(port, model, prompt, expected):
-    body = json.dumps({"model": model, "prompt": " ".join(f"w{t}" for t in prompt),
-                       "max_tokens": len(expected), "stream": True}).encode()
-    s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    start = time.monotonic()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    raw, arrivals, words, errors, done = b"", [], [], [], False
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        now = time.monotonic()
-        raw += chunk
-        while b"\n\n" in raw:
-            event, raw = raw.split(b"\n\n", 1)
-            if event.startswith(b"HTTP/"):
-                status = event.split(b" ", 2)[1].decode()
-                if status != "200":
-                    errors.append(f"HTTP {status}")
-            if b"data: " not in event:
-                continue
-            line = event.split(b"data: ", 1)[1].strip()
-            if line == b"[DONE]":
-                done = True
-                continue
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue
-            if "choices" not in data:
-                errors.append(json.dumps(data)[:200])
-                continue
-            for w in (data["choices"][0].get("text") or "").split():
-                words.append(int(w[1:]))
-                arrivals.append(now - start)
+    start, events, raw = streamed_completion(port, {
+        "model": model, "prompt": " ".join(f"w{t}" for t in prompt), "max_tokens": len(expected)})
+    arrivals, words, errors, done = [], [], [], False
+    for now, event in events:
+        if event.startswith(b"HTTP/"):
+            status = event.split(b" ", 2)[1].decode()
+            if status != "200":
+                errors.append(f"HTTP {status}")
+        if b"data: " not in event:
+            continue
+        line = event.split(b"data: ", 1)[1].strip()
+        if line == b"[DONE]":
+            done = True
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if "choices" not in data:
+            errors.append(json.dumps(data)[:200])
+            continue
+        for w in (data["choices"][0].get("text") or "").split():
+            words.append(int(w[1:]))
+            arrivals.append(now - start)
     rest = raw.decode(errors="replace").strip()
     if rest not in ("", "0"):  # "0": the end of a chunked body
         errors.append(rest[-200:])
-    s.close()
     extra = sum(max(0, words.count(t) - expected.count(t)) for t in set(words))
     return {
         "tokens_received": len(words),

@@ -42,6 +42,20 @@ fn kv_hit_rate(frontend: &Frontend) -> (f64, f64) {
     (value("_sum"), value("_count"))
 }
 
+/// Two workers behind the frontend's KV router, and a first request with
+/// the shared prefix whose blocks have reached the router's index: the
+/// setup and the index of the engine that served that request.
+fn primed(name: &str, token_delay: &str) -> (Setup, usize) {
+    let s = Setup::start_with(name, 2, false, token_delay, &[], &["--router-mode", "kv"]);
+    let first = route(&s, &prompt(0));
+    // The engine's events reach the router's index through the worker.
+    wait_until(HANG, "the first engine's blocks to be published", || {
+        s.engines[first].stats()["kv_events"]["events"].as_u64() >= Some(1)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    (s, first)
+}
+
 /// Sends one short completion; the index of the engine that served it.
 fn route(s: &Setup, text: &str) -> usize {
     let before: Vec<u64> = s.engines.iter().map(started).collect();
@@ -57,20 +71,7 @@ fn route(s: &Setup, text: &str) -> usize {
 
 #[test]
 fn the_kv_router_sends_requests_sharing_a_prefix_to_the_engine_that_holds_it() {
-    let s = Setup::start_with(
-        "dyn-kv-affinity",
-        2,
-        false,
-        "1ms",
-        &[],
-        &["--router-mode", "kv"],
-    );
-    let first = route(&s, &prompt(0));
-    // The engine's events reach the router's index through the worker.
-    wait_until(HANG, "the first engine's blocks to be published", || {
-        s.engines[first].stats()["kv_events"]["events"].as_u64() >= Some(1)
-    });
-    std::thread::sleep(Duration::from_millis(500));
+    let (s, first) = primed("dyn-kv-affinity", "1ms");
     let (sum0, count0) = kv_hit_rate(&s.frontend);
     let mut to_first = 0;
     for n in 1..50 {
@@ -98,19 +99,7 @@ fn the_kv_router_sends_requests_sharing_a_prefix_to_the_engine_that_holds_it() {
 
 #[test]
 fn a_silent_kv_event_publisher_stops_being_trusted_within_three_heartbeats() {
-    let s = Setup::start_with(
-        "dyn-kv-silent",
-        2,
-        false,
-        "1ms",
-        &[],
-        &["--router-mode", "kv"],
-    );
-    let first = route(&s, &prompt(0));
-    wait_until(HANG, "the first engine's blocks to be published", || {
-        s.engines[first].stats()["kv_events"]["events"].as_u64() >= Some(1)
-    });
-    std::thread::sleep(Duration::from_millis(500));
+    let (s, first) = primed("dyn-kv-silent", "1ms");
     let (sum0, count0) = kv_hit_rate(&s.frontend);
     assert_eq!(route(&s, &prompt(1)), first);
     let (sum1, count1) = kv_hit_rate(&s.frontend);
@@ -156,20 +145,8 @@ fn a_silent_kv_event_publisher_stops_being_trusted_within_three_heartbeats() {
 
 #[test]
 fn an_engine_killed_while_the_kv_router_prefers_it_leaves_the_other_worker_serving_everything() {
-    let mut s = Setup::start_with(
-        "dyn-kv-loss",
-        2,
-        false,
-        "2ms",
-        &[],
-        &["--router-mode", "kv"],
-    );
-    let first = route(&s, &prompt(0));
+    let (mut s, first) = primed("dyn-kv-loss", "2ms");
     let other = 1 - first;
-    wait_until(HANG, "the first engine's blocks to be published", || {
-        s.engines[first].stats()["kv_events"]["events"].as_u64() >= Some(1)
-    });
-    std::thread::sleep(Duration::from_millis(500));
     for n in 1..6 {
         assert_eq!(
             route(&s, &prompt(n)),

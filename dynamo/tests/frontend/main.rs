@@ -117,15 +117,7 @@ impl Setup {
 
 /// The text the mock engine generated for the request it saw with this prompt.
 fn engine_text(engine: &Engine, prompt: &[u32]) -> (String, serde_json::Value) {
-    let stats = engine.stats();
-    let asked = stats["asked"]
-        .as_array()
-        .expect("asked")
-        .iter()
-        .rev()
-        .find(|a| a["prompt"] == serde_json::json!(prompt))
-        .cloned()
-        .unwrap_or_else(|| panic!("the engine saw prompt {prompt:?}: {stats}"));
+    let asked = engine.asked_for(prompt);
     let max = asked["max_tokens"].as_u64().expect("max_tokens") as u32;
     (words(&mock_tokens(prompt, max)), asked)
 }

@@ -126,19 +126,6 @@ fn assert_close(got: f64, want: f64, what: &str) {
     );
 }
 
-/// What the engine was asked for the request with this prompt.
-fn asked_for(engine: &Engine, prompt: &[u32]) -> serde_json::Value {
-    let stats = engine.stats();
-    stats["asked"]
-        .as_array()
-        .expect("asked")
-        .iter()
-        .rev()
-        .find(|a| a["prompt"] == serde_json::json!(prompt))
-        .cloned()
-        .unwrap_or_else(|| panic!("the engine saw prompt {prompt:?}: {stats}"))
-}
-
 fn started(engine: &Engine) -> u64 {
     engine.stats()["generate_started"].as_u64().unwrap_or(0)
 }
@@ -154,7 +141,7 @@ fn logprobs_the_engine_produced_reach_the_http_answer_streamed_and_not() {
         body["top_logprobs"] = 2.into();
         let (status, answer) = s.frontend.post("/v1/chat/completions", &body);
         assert_eq!(status, 200, "{answer}");
-        let asked = asked_for(&s.engines[0], &prompt);
+        let asked = s.engines[0].asked_for(&prompt);
         assert_eq!(asked["output_logprobs"], true, "{asked}");
         assert_eq!(asked["top_logprobs"], 2, "{asked}");
         let got = chat_logprobs(&answer);
@@ -220,7 +207,7 @@ fn a_json_schema_response_format_and_a_named_tool_choice_reach_the_engine_as_gui
     });
     let (status, answer) = s.frontend.post("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{answer}");
-    let guided = &asked_for(&s.engines[0], &[90, 91])["guided"];
+    let guided = &s.engines[0].asked_for(&[90, 91])["guided"];
     assert_eq!(guided["mode"], "json_schema", "{guided}");
     let sent: serde_json::Value =
         serde_json::from_str(guided["value"].as_str().expect("a schema")).expect("JSON schema");
@@ -242,7 +229,7 @@ fn a_json_schema_response_format_and_a_named_tool_choice_reach_the_engine_as_gui
         serde_json::json!({"type": "function", "function": {"name": "get_weather"}});
     let (status, answer) = s.frontend.post("/v1/chat/completions", &body);
     eprintln!("named tool_choice: HTTP {status}: {answer}");
-    let guided = &asked_for(&s.engines[0], &[92, 93])["guided"];
+    let guided = &s.engines[0].asked_for(&[92, 93])["guided"];
     assert!(
         guided["mode"].is_string() && guided["value"].to_string().contains("location"),
         "the tool's parameters reach the engine as guidance: {guided}"
@@ -301,7 +288,7 @@ fn stop_strings_and_max_tokens_end_the_answer_streamed_and_not() {
             "{path} stream {stream}: the answer ends before the stop string {stop}: {answer}"
         );
         assert_eq!(finish_reason(&answer).as_deref(), Some("stop"), "{answer}");
-        let asked = asked_for(&s.engines[0], &prompt);
+        let asked = s.engines[0].asked_for(&prompt);
         assert_eq!(asked["stop_texts"], serde_json::json!([stop]), "{asked}");
         // max_tokens alone: exactly that many.
         let body = if path.contains("chat") {
@@ -509,7 +496,7 @@ fn a_request_whose_engine_dies_at_token_5_migrates_with_nothing_lost() {
         .find(|i| !s.engines[*i].proc.running())
         .expect("one engine died");
     let alive = 1 - dead;
-    let asked = asked_for(&s.engines[alive], &moved);
+    let asked = s.engines[alive].asked_for(&moved);
     assert_eq!(asked["max_tokens"], 15, "the rest of the budget: {asked}");
     let code = s.workers[dead].proc.wait_exit(HANG);
     assert_eq!(code, 1, "the dead engine's worker exits 1");

@@ -443,6 +443,19 @@ impl Engine {
         (status == 200).then(|| serde_json::from_str(&body).ok())?
     }
 
+    /// What the engine was last asked for the request with this prompt.
+    pub fn asked_for(&self, prompt: &[u32]) -> serde_json::Value {
+        let stats = self.stats();
+        stats["asked"]
+            .as_array()
+            .expect("asked")
+            .iter()
+            .rev()
+            .find(|a| a["prompt"] == serde_json::json!(prompt))
+            .cloned()
+            .unwrap_or_else(|| panic!("the engine saw prompt {prompt:?}: {stats}"))
+    }
+
     pub fn stats(&self) -> serde_json::Value {
         self.try_stats().expect("the mock's /stats answers")
     }
