@@ -29,7 +29,7 @@ with Dynamo's frontend installed, as scripts/test.sh does in target/dynamo-venv)
 
     python3 scripts/dynamo-bench.py [--streams 32] [--tokens 64] [--token-delay 20ms]
         [--secs 20] [--python target/dynamo-venv/bin/python] [--router-mode kv]
-        [--migration | --affinity]
+        [--migration | --affinity | --all]
 """
 
 import argparse
@@ -238,9 +238,10 @@ class Bench:
         wait(f"{kind}'s sidecar to register", lambda: set(self.instances()) - before)
         return p
 
-    def frontend(self, extra=()):
+    def frontend(self, extra=(), router_mode=None):
         port = free_port()
-        mode = ["--router-mode", self.args.router_mode] if self.args.router_mode else []
+        router_mode = router_mode or self.args.router_mode
+        mode = ["--router-mode", router_mode] if router_mode else []
         self.spawn("frontend", [self.args.python, "-m", "dynamo.frontend", "--discovery-backend",
                                 "file", "--request-plane", "tcp", "--http-port", str(port),
                                 *mode, *extra])
@@ -355,14 +356,13 @@ class Bench:
     def affinity(self):
         """Per kind of worker: 50 requests sharing a 256-token prefix behind
         the KV router; how many follow the first to its worker."""
-        self.args.router_mode = "kv"
         results = {}
         prefix = " ".join(f"w{1000 + i}" for i in range(256))
         for kind in ["dynamo-mocker", "llm-sidecar-dynamo"]:
             self.kv = os.path.join(self.dir, f"kv-{kind}")
             os.makedirs(self.kv)
             self.env["DYN_FILE_KV"] = self.kv
-            port = self.frontend()
+            port = self.frontend(router_mode="kv")
             procs = []
             for _ in range(2):
                 if kind == "dynamo-mocker":
@@ -503,10 +503,15 @@ def main():
                     help="the migration story instead of the load (see above)")
     ap.add_argument("--affinity", action="store_true",
                     help="the prefix-affinity story instead of the load (see above)")
+    ap.add_argument("--all", action="store_true",
+                    help="the load, then the affinity and the migration stories, in one run")
     args = ap.parse_args()
     bench = Bench(args)
     try:
-        if args.migration:
+        if args.all:
+            results = {"load": bench.run(), "affinity": bench.affinity(),
+                       "migration": bench.migration()}
+        elif args.migration:
             results = bench.migration()
         elif args.affinity:
             results = bench.affinity()

@@ -8,9 +8,36 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// A loopback address whose port nobody listens on right now (another process
-/// may take it before the caller binds it: callers retry on "cannot listen").
+/// A loopback address whose port nobody listens on right now, below the
+/// kernel's ephemeral range (Linux: 32768–60999 by default, read from
+/// `/proc/sys/net/ipv4/ip_local_port_range`). The caller hands the port to a
+/// process that binds it a moment later; a port from the ephemeral range
+/// could meanwhile be taken by any outgoing connection on the machine (seen
+/// once in CI: a mock engine's "Address already in use"), one below it only
+/// by another caller of this function, which walks the range from a
+/// per-process start. Falls back to an ephemeral port when the range leaves
+/// no room below it.
 pub fn free_loopback_addr() -> std::io::Result<SocketAddr> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOWEST: u32 = 10_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768)
+        .min(65_536);
+    if ephemeral_low > LOWEST + 1_000 {
+        let span = ephemeral_low - LOWEST;
+        let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+        for _ in 0..span.min(5_000) {
+            // A stride prime to the span's usual sizes walks every port.
+            let step = NEXT.fetch_add(1, Ordering::Relaxed).wrapping_mul(7_919);
+            let port = LOWEST + start.wrapping_add(step) % span;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+                return l.local_addr();
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")?.local_addr()
 }
 

@@ -19,23 +19,16 @@ pub struct Certs {
 }
 
 pub fn free_addr() -> SocketAddr {
-    llm_sidecar_loadgen::local::free_loopback_addr().expect("bind an ephemeral port")
+    llm_sidecar_loadgen::local::free_loopback_addr().expect("a free loopback port")
 }
 
 /// A free loopback address for Dynamo's system port: Dynamo 1.6.1 reads
 /// `DYN_SYSTEM_PORT` as an i16, so the port must be below 32,768, where
-/// Linux's ephemeral range does not reach.
+/// [`free_addr`]'s ports are (below Linux's ephemeral range).
 pub fn free_system_addr() -> SocketAddr {
-    let salt = std::process::id() as u16;
-    (0..2_000u16)
-        .map(|i| 20_000 + (salt.wrapping_mul(7).wrapping_add(i * 13)) % 12_000)
-        .find_map(|port| {
-            std::net::TcpListener::bind(("127.0.0.1", port))
-                .ok()?
-                .local_addr()
-                .ok()
-        })
-        .expect("a free port below 32768")
+    let addr = free_addr();
+    assert!(addr.port() < 32_768, "a free port below 32768: {addr}");
+    addr
 }
 
 /// `llm-sidecar-dynamo`, as cargo built it for this test.

@@ -45,7 +45,7 @@ pub async fn own_health_status(listen: SocketAddr, service: &str) -> i32 {
 
 /// A loopback address with a port nobody listens on right now.
 pub fn free_addr() -> SocketAddr {
-    llm_sidecar_loadgen::local::free_loopback_addr().expect("bind an ephemeral port")
+    llm_sidecar_loadgen::local::free_loopback_addr().expect("a free loopback port")
 }
 
 /// `GET path` over HTTP/1.0; returns (status, body). `None` if nothing answers.
