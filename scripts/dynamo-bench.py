@@ -110,31 +110,38 @@ def streamed_completion(port, body):
 
 
 def stream_one(port, model, tokens, prompt):
-    """One streaming completion; (ttft, [gaps], tokens, ok)."""
+    """One streaming completion; (ttft, [gaps], tokens, ok). ok: it ended
+    with [DONE] and no error event. The mock's tokens are pseudo-random, so
+    an answer can end at once with the end of sequence: ok, with no text and
+    no time to first token."""
     start, events, _ = streamed_completion(
         port, {"model": model, "prompt": prompt, "max_tokens": tokens})
-    arrivals, ok = [], False
+    arrivals, done, error = [], False, False
     for now, event in events:
         line = event.split(b"data: ", 1)[-1]
         if line.strip() == b"[DONE]":
-            ok = True
+            done = True
             continue
         try:
             data = json.loads(line)
         except ValueError:
             continue
-        text = data.get("choices", [{}])[0].get("text")
+        if "choices" not in data:
+            error = True
+            continue
+        text = data["choices"][0].get("text")
         if text:
             arrivals.append(now)
+    ok = done and not error
     if not arrivals:
-        return None, [], 0, False
+        return None, [], 0, ok
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return arrivals[0] - start, gaps, len(arrivals), ok
 
 
 def load(port, model, streams, tokens, secs):
     stop = time.monotonic() + secs
-    ttfts, gaps, counts, failed = [], [], [0], [0]
+    ttfts, gaps, counts, failed, empty = [], [], [0], [0], [0]
     lock = threading.Lock()
 
     def caller(n):
@@ -143,12 +150,14 @@ def load(port, model, streams, tokens, secs):
             i += 1
             ttft, g, got, ok = stream_one(port, model, tokens, f"w{3 + (n * 7 + i) % 900} w{5 + n}")
             with lock:
-                if ok and ttft is not None:
+                if not ok:
+                    failed[0] += 1
+                elif ttft is None:
+                    empty[0] += 1
+                else:
                     ttfts.append(ttft)
                     gaps.extend(g)
                     counts[0] += got
-                else:
-                    failed[0] += 1
 
     start = time.monotonic()
     threads = [threading.Thread(target=caller, args=(n,)) for n in range(streams)]
@@ -162,7 +171,8 @@ def load(port, model, streams, tokens, secs):
         "tokens_per_s": counts[0] / elapsed,
         "ttft_p50_ms": q(ttfts, 50), "ttft_p99_ms": q(ttfts, 99),
         "itl_p50_ms": q(gaps, 50), "itl_p99_ms": q(gaps, 99),
-        "requests": len(ttfts), "failed": failed[0], "elapsed_s": elapsed,
+        "requests": len(ttfts), "failed": failed[0], "ended_at_once": empty[0],
+        "elapsed_s": elapsed,
     }
 
 
@@ -322,7 +332,7 @@ class Bench:
         first = mock_tokens(prompt, 5)
         expected = first + mock_tokens(prompt + first, 15)
         for kind in ["dynamo", "llm-sidecar-dynamo"]:
-            self.kv = os.path.join(self.dir, f"kv-{kind}")
+            self.kv = os.path.join(self.dir, f"kv-migration-{kind}")
             os.makedirs(self.kv)
             self.env["DYN_FILE_KV"] = self.kv
             port = self.frontend(["--migration-limit", "1"])
@@ -359,7 +369,7 @@ class Bench:
         results = {}
         prefix = " ".join(f"w{1000 + i}" for i in range(256))
         for kind in ["dynamo-mocker", "llm-sidecar-dynamo"]:
-            self.kv = os.path.join(self.dir, f"kv-{kind}")
+            self.kv = os.path.join(self.dir, f"kv-affinity-{kind}")
             os.makedirs(self.kv)
             self.env["DYN_FILE_KV"] = self.kv
             port = self.frontend(router_mode="kv")
