@@ -88,25 +88,37 @@ def peak_rss_mib(pid):
 
 
 def streamed_completion(port, body):
-    """A streamed completion, read as it comes: the time it was sent, each
-    SSE event with the time it arrived, and what followed the last event."""
+    """A streamed completion, read as it comes: the time it was sent, the
+    HTTP status, each SSE `data:` event with the time it arrived (its JSON,
+    or None for `[DONE]`), and what followed the last event."""
     body = json.dumps(dict(body, stream=True)).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     start = time.monotonic()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    events, buf = [], b""
+    status, events, buf = None, [], b""
     while True:
         chunk = s.recv(65536)
         if not chunk:
             break
         now = time.monotonic()
+        if status is None and not buf:
+            status = chunk.split(b" ", 2)[1].decode() if chunk.startswith(b"HTTP/") else "?"
         buf += chunk
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
-            events.append((now, event))
+            if b"data: " not in event:
+                continue
+            line = event.split(b"data: ", 1)[1].strip()
+            if line == b"[DONE]":
+                events.append((now, None))
+                continue
+            try:
+                events.append((now, json.loads(line)))
+            except ValueError:
+                continue
     s.close()
-    return start, events, buf
+    return start, status, events, buf
 
 
 def stream_one(port, model, tokens, prompt):
@@ -114,23 +126,15 @@ def stream_one(port, model, tokens, prompt):
     with [DONE] and no error event. The mock's tokens are pseudo-random, so
     an answer can end at once with the end of sequence: ok, with no text and
     no time to first token."""
-    start, events, _ = streamed_completion(
+    start, _, events, _ = streamed_completion(
         port, {"model": model, "prompt": prompt, "max_tokens": tokens})
     arrivals, done, error = [], False, False
-    for now, event in events:
-        line = event.split(b"data: ", 1)[-1]
-        if line.strip() == b"[DONE]":
+    for now, data in events:
+        if data is None:
             done = True
-            continue
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if "choices" not in data:
+        elif "choices" not in data:
             error = True
-            continue
-        text = data["choices"][0].get("text")
-        if text:
+        elif data["choices"][0].get("text"):
             arrivals.append(now)
     ok = done and not error
     if not arrivals:
@@ -457,30 +461,19 @@ def migration_prompt():
 
 
 def migration_run(port, model, prompt, expected):
-    start, events, raw = streamed_completion(port, {
+    start, status, events, raw = streamed_completion(port, {
         "model": model, "prompt": " ".join(f"w{t}" for t in prompt), "max_tokens": len(expected)})
-    arrivals, words, errors, done = [], [], [], False
-    for now, event in events:
-        if event.startswith(b"HTTP/"):
-            status = event.split(b" ", 2)[1].decode()
-            if status != "200":
-                errors.append(f"HTTP {status}")
-        if b"data: " not in event:
-            continue
-        line = event.split(b"data: ", 1)[1].strip()
-        if line == b"[DONE]":
+    arrivals, words, done = [], [], False
+    errors = [] if status == "200" else [f"HTTP {status}"]
+    for now, data in events:
+        if data is None:
             done = True
-            continue
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if "choices" not in data:
+        elif "choices" not in data:
             errors.append(json.dumps(data)[:200])
-            continue
-        for w in (data["choices"][0].get("text") or "").split():
-            words.append(int(w[1:]))
-            arrivals.append(now - start)
+        else:
+            for w in (data["choices"][0].get("text") or "").split():
+                words.append(int(w[1:]))
+                arrivals.append(now - start)
     rest = raw.decode(errors="replace").strip()
     if rest not in ("", "0"):  # "0": the end of a chunked body
         errors.append(rest[-200:])

@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use dynamo_backend_common::{
@@ -63,8 +63,9 @@ pub struct Bridge {
     served: Served,
     /// What the engine reported of its KV cache at this worker's start.
     capacity: Mutex<Capacity>,
-    /// What the engine said it serves per request, at this worker's start.
-    caps: Mutex<Capabilities>,
+    /// What the engine said it serves per request, set at this worker's
+    /// start (before any request), read by every request.
+    caps: OnceLock<Capabilities>,
     /// Requests whose engine stream is open.
     open: Arc<OpenStreams>,
     /// Dynamo's id of this worker, once it started (the KV events name it).
@@ -89,7 +90,7 @@ impl Bridge {
             calls,
             served,
             capacity: Mutex::new(Capacity::default()),
-            caps: Mutex::new(Capabilities::default()),
+            caps: OnceLock::new(),
             open: Arc::new(OpenStreams::default()),
             worker_id: AtomicU64::new(0),
             stop,
@@ -105,8 +106,8 @@ impl Bridge {
         self.channels[i].clone()
     }
 
-    fn caps(&self) -> Capabilities {
-        self.caps.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fn caps(&self) -> &Capabilities {
+        self.caps.get_or_init(Capabilities::default)
     }
 }
 
@@ -117,16 +118,47 @@ impl Bridge {
 struct OpenStreams(Mutex<HashSet<String>>);
 
 impl OpenStreams {
-    fn open(&self, id: &str) {
+    /// Marks `id`'s engine stream open until the returned guard is closed or
+    /// dropped. A guard dropped while its request is cancelled leaves the id
+    /// for [`Bridge::abort`], which Dynamo calls then; one dropped otherwise
+    /// (its stream given up without a cancel) takes it out, so no id stays.
+    fn open(self: &Arc<Self>, id: &str, ctx: Arc<dyn AsyncEngineContext>) -> OpenStream {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.to_string());
+        OpenStream {
+            streams: self.clone(),
+            id: id.to_string(),
+            ctx,
+        }
     }
 
     /// Whether `id` was open.
     fn close(&self, id: &str) -> bool {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(id)
+    }
+}
+
+/// One request's mark in [`OpenStreams`].
+struct OpenStream {
+    streams: Arc<OpenStreams>,
+    id: String,
+    ctx: Arc<dyn AsyncEngineContext>,
+}
+
+impl OpenStream {
+    /// The engine stream ended by itself: nothing to abort.
+    fn close(&self) {
+        self.streams.close(&self.id);
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        if !(self.ctx.is_stopped() || self.ctx.is_killed()) {
+            self.close();
+        }
     }
 }
 
@@ -212,7 +244,8 @@ impl LLMEngine for Bridge {
             .into_inner();
         let caps = Capabilities::of(&model);
         tracing::debug!(?caps, "the engine's generation capabilities");
-        *self.caps.lock().unwrap_or_else(|p| p.into_inner()) = caps;
+        // Dynamo starts each worker (a new bridge) once.
+        let _ = self.caps.set(caps);
         if capacity.ranks().is_empty() {
             tracing::info!(
                 "the engine reports no KV block size and total (GetServerInfo capacity): \
@@ -246,9 +279,11 @@ impl LLMEngine for Bridge {
         let capacity = self.capacity();
         let found = match capacity.kv_block_size {
             None => Err(NoEvents::NoBlockSize),
-            Some(_) => kv_events::discover(self.channel(), &capacity.ranks()).await,
+            Some(block_size) => kv_events::discover(self.channel(), &capacity.ranks())
+                .await
+                .map(|sources| (sources, block_size)),
         };
-        let sources = match found {
+        let (sources, block_size) = match found {
             Ok(sources) => sources,
             Err(why @ (NoEvents::Failed(_) | NoEvents::Unusable(_))) => {
                 tracing::warn!(
@@ -271,7 +306,6 @@ impl LLMEngine for Bridge {
                  a publisher that falls silent is not noticed"
             );
         }
-        let block_size = capacity.kv_block_size.unwrap_or_default();
         let worker_id = self.worker_id.load(Ordering::Relaxed);
         Ok(sources
             .into_iter()
@@ -326,7 +360,7 @@ impl LLMEngine for Bridge {
         };
         let ctx = ctx.inner_arc();
         let (engine_request, metadata) =
-            match request::generate_request(ctx.id(), &request, &self.served, &self.caps()) {
+            match request::generate_request(ctx.id(), &request, &self.served, self.caps()) {
                 Ok(mapped) => mapped,
                 Err(refused) => {
                     // Never forwarded, and the caller's to fix.
@@ -367,8 +401,7 @@ impl LLMEngine for Bridge {
                 return Err(e);
             }
         };
-        let open = self.open.clone();
-        open.open(&id);
+        let open = self.open.open(&id, ctx.clone());
         Ok(async_stream::stream! {
             // Holding the admission here keeps the request in flight until
             // its last item was taken, whatever ends it.
@@ -383,7 +416,7 @@ impl LLMEngine for Bridge {
                 let next = tokio::select! {
                     biased;
                     () = &mut cut_fired => {
-                        open.close(&id);
+                        open.close();
                         call.set_outcome(CallOutcome::CutAtDeadline);
                         yield Err(shutdown(CUT));
                         break;
@@ -419,14 +452,14 @@ impl LLMEngine for Bridge {
                     }
                     Step::Nothing => {}
                     Step::Finished(out) => {
-                        open.close(&id);
+                        open.close();
                         call.set_outcome(CallOutcome::Ok);
                         read_to_end(stream, call, cut, id);
                         yield Ok(out);
                         break;
                     }
                     Step::Failed(e, outcome) => {
-                        open.close(&id);
+                        open.close();
                         if outcome != CallOutcome::EngineStatus {
                             tracing::warn!(request_id = id, "request failed: {e}");
                         }
@@ -465,5 +498,34 @@ impl LLMEngine for Bridge {
 
     async fn cleanup(&self) -> Result<(), DynamoError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_runtime::pipeline::context::Controller;
+
+    #[test]
+    fn an_open_stream_given_up_without_a_cancel_leaves_no_id_and_a_cancelled_one_waits_for_abort() {
+        let streams = Arc::new(OpenStreams::default());
+        let live: Arc<dyn AsyncEngineContext> = Arc::new(Controller::new("live".into()));
+        drop(streams.open("live", live));
+        assert!(!streams.close("live"), "dropped without a cancel: gone");
+
+        let stopped = Arc::new(Controller::new("stopped".into()));
+        let ctx: Arc<dyn AsyncEngineContext> = stopped.clone();
+        let guard = streams.open("stopped", ctx);
+        stopped.stop();
+        drop(guard);
+        assert!(
+            streams.close("stopped"),
+            "cancelled: left for Control.Abort"
+        );
+
+        let ended: Arc<dyn AsyncEngineContext> = Arc::new(Controller::new("ended".into()));
+        let guard = streams.open("ended", ended);
+        guard.close();
+        assert!(!streams.close("ended"), "ended by itself: nothing to abort");
     }
 }
