@@ -1011,19 +1011,40 @@ fn reset_calls_do_not_open_an_engine_connection_each() {
 /// call completes with every token.
 #[test]
 fn rapid_reset_through_the_sidecar_kills_no_other_callers_call() {
-    rapid_reset_beside_a_victim();
+    rapid_reset_beside_a_victim(None);
 }
 
-fn rapid_reset_beside_a_victim() {
+/// Attack 1 again, with each burst's RST_STREAMs sent a moment (2 ms) after
+/// its HEADERS + DATA, in a write of their own: the sidecar has read the
+/// calls and opened their engine streams before the resets come, so it
+/// cannot tell them from calls a caller gave up on. The engine pauses now
+/// and then (SIGSTOP for 100 ms: a Python engine's GIL or a loaded node does
+/// the same), so the sidecar's resets reach it beside streams it has not
+/// taken yet. The engine must still never see more than a few of those: the
+/// victim's call completes with every token and no engine connection is cut.
+#[test]
+fn delayed_rapid_reset_while_the_engine_pauses_kills_no_other_callers_call() {
+    rapid_reset_beside_a_victim(Some(Duration::from_millis(20)));
+}
+
+/// Bursts of 50 calls, each HEADERS + DATA + RST_STREAM, on four connections
+/// for 2 s beside a victim streaming 300 tokens; with `delay`, each burst's
+/// resets follow its calls in a write of their own after that long.
+fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
     let dir = TempDir::new("rapid-reset");
-    let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "10ms"], &[]);
+    let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "10ms"], &[]);
     let listen = sidecar.listen;
     let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
     let data = raw_h2::grpc_message(&generate("rapid", 4).encode_to_vec());
+    let engine_connections = || mock.stats()["connections"].as_u64().expect("connections");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let victim = std::thread::spawn(move || rt().block_on(generate_through(listen, "victim", 300)));
     std::thread::sleep(Duration::from_millis(300));
+    let connections_before = engine_connections();
+    // With resets of their own, bursts stay below the 20 streams reset before
+    // they were taken past which the sidecar's own h2 cuts a caller connection.
+    let burst = if delay.is_some() { 10 } else { 50 };
     let attackers: Vec<_> = (0..4)
         .map(|_| {
             let (block, data, stop, sent) =
@@ -1034,23 +1055,42 @@ fn rapid_reset_beside_a_victim() {
                 let cancel = 8u32.to_be_bytes();
                 let mut stream = 1u32;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) && stream < 2_000_000 {
-                    let mut out = Vec::new();
-                    for _ in 0..50 {
+                    let (mut out, mut resets) = (Vec::new(), Vec::new());
+                    for _ in 0..burst {
                         out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
                         out.extend(raw_h2::frame(raw_h2::DATA, 0, stream, &data));
-                        out.extend(raw_h2::frame(0x3, 0, stream, &cancel));
+                        let reset = raw_h2::frame(0x3, 0, stream, &cancel);
+                        match delay {
+                            Some(_) => resets.extend(reset),
+                            None => out.extend(reset),
+                        }
                         stream += 2;
                     }
                     if raw.send(&out).is_err() {
                         return;
                     }
-                    sent.fetch_add(50, std::sync::atomic::Ordering::Relaxed);
+                    if let Some(delay) = delay {
+                        std::thread::sleep(delay);
+                        if raw.send(&resets).is_err() {
+                            return;
+                        }
+                    }
+                    sent.fetch_add(burst, std::sync::atomic::Ordering::Relaxed);
                     std::thread::sleep(Duration::from_millis(10));
                 }
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_secs(2));
+    if delay.is_some() {
+        for _ in 0..4 {
+            std::thread::sleep(Duration::from_millis(400));
+            mock.proc.signal("STOP");
+            std::thread::sleep(Duration::from_millis(100));
+            mock.proc.signal("CONT");
+        }
+    } else {
+        std::thread::sleep(Duration::from_secs(2));
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for a in attackers {
         let _ = a.join();
@@ -1061,6 +1101,13 @@ fn rapid_reset_beside_a_victim() {
         outcome.map_err(|s| (s.code(), s.message().to_string())),
         Ok(301),
         "the victim's 300 tokens and final message, beside {resets} rapid resets"
+    );
+    // An engine that sent GOAWAY made the sidecar open another connection,
+    // even when the victim's call was on a connection it spared.
+    assert_eq!(
+        engine_connections() - connections_before,
+        0,
+        "the engine's connections were never cut (new ones opened), beside {resets} rapid resets"
     );
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);

@@ -36,6 +36,7 @@ use super::framing::{
     too_large_message,
 };
 use super::outcome::CallOutcome;
+use super::unanswered_stream::UnansweredStream;
 use crate::engine::ENGINE_STREAM_WINDOW;
 
 /// How long a refused call's request may take to arrive before it is answered.
@@ -482,7 +483,7 @@ async fn engine_answer(
         })
         .await
     };
-    let (mut answer, mut engine_stream) = match opened {
+    let (answer, mut engine_stream) = match opened {
         Ok(opened) => opened,
         Err(why) => {
             if !end_of_stream {
@@ -506,7 +507,10 @@ async fn engine_answer(
             bytes,
         }
     });
-    // The request goes out while the answer's headers are awaited.
+    // The request goes out while the answer's headers are awaited. Given up
+    // before they come, the engine stream is reset only once the engine has
+    // taken it (`unanswered_stream`): the lease goes with it till then.
+    let mut awaiting = UnansweredStream::new(answer, lease.take());
     let head = poll_fn(|cx| {
         if let Some(ending) = ends.poll(cx) {
             return Poll::Ready(Err(Unanswered::Ended(ending)));
@@ -514,7 +518,8 @@ async fn engine_answer(
         if let Err(failed) = drive_request(&mut pump, cx) {
             return Poll::Ready(Err(Unanswered::Request(failed)));
         }
-        if let Poll::Ready(head) = Pin::new(&mut answer).poll(cx) {
+        if let Poll::Ready((head, held)) = awaiting.poll_answer(cx) {
+            *lease = held;
             return Poll::Ready(
                 head.map_err(|e| Unanswered::Engine(crate::report::error_chain(&e))),
             );
@@ -685,7 +690,9 @@ enum PumpEnd {
     Sent,
     /// The engine stream is gone (reset or ended): the response side says how.
     EngineGone,
-    /// It failed on the caller's side; the engine stream is reset.
+    /// It failed on the caller's side; the call ends, and the engine stream
+    /// is reset when it is dropped (once the engine took it: see
+    /// `unanswered_stream`).
     Failed(RequestFailed),
 }
 
@@ -789,7 +796,6 @@ impl RequestPump {
                     let _ = inner.flow_control().release_capacity(data.len());
                     self.bytes += data.len() as u64;
                     if self.limiter.feed(&data).is_err() {
-                        self.engine.send_reset(h2::Reason::CANCEL);
                         return Poll::Ready(PumpEnd::Failed(RequestFailed::TooLarge));
                     }
                     if !data.is_empty() {
@@ -800,7 +806,6 @@ impl RequestPump {
                     self.held = Some((data, inner.is_end_stream()));
                 }
                 Some(Err(_)) => {
-                    self.engine.send_reset(h2::Reason::CANCEL);
                     return Poll::Ready(PumpEnd::Failed(RequestFailed::CallerGone));
                 }
                 // The request's DATA is over: trailers, or its end.
@@ -809,7 +814,6 @@ impl RequestPump {
                         Ok(Some(trailers)) => send_trailers(&mut self.engine, trailers),
                         Ok(None) => self.engine.send_data(Bytes::new(), true),
                         Err(_) => {
-                            self.engine.send_reset(h2::Reason::CANCEL);
                             return Poll::Ready(PumpEnd::Failed(RequestFailed::CallerGone));
                         }
                     };

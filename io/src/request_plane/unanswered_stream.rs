@@ -1,0 +1,173 @@
+//! An engine stream whose answer has not begun: reset only once the engine
+//! has taken it.
+//!
+//! Why: an HTTP/2 server counts the streams its peer resets before the
+//! server's own code took them from its accept queue, and cuts the whole
+//! connection past a small number of them (h2, the server under tonic and
+//! hyper, sends GOAWAY ENHANCE_YOUR_CALM "too_many_resets" past 20: its guard
+//! against rapid reset). Every caller's call on that engine connection then
+//! fails. A caller that resets its calls a moment after sending them (or
+//! many callers giving up at once, or a caller connection dropped with
+//! hundreds of calls on it) makes the sidecar reset engine streams at that
+//! rate; whenever the engine falls behind taking them (a pause of its event
+//! loop, a loaded node) the resets reach it before it took the streams.
+//!
+//! So a call that ends before the engine's answer headers came does not
+//! reset its engine stream then: the stream is kept (its request is not sent
+//! on) until those headers come, which proves the engine took it, and only
+//! then dropped (reset), or after [`UNANSWERED_RESET_WAIT`] if they never
+//! come. The call's place among its caller address's engine streams and its
+//! engine connection's streams is held meanwhile, so a caller resetting its
+//! calls can keep no more of them waiting than it may have open.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use h2::RecvStream;
+use h2::client::ResponseFuture;
+
+use super::engine_pool::Lease;
+
+/// How long a stream given up before its answer began waits for the engine's
+/// headers before it is reset anyway. An engine that has not answered by
+/// then has long taken the stream from its accept queue (unless it is
+/// stalled, which its keepalive tells); what waiting costs is that the
+/// engine goes on with a request nobody wants, this long at most.
+pub(crate) const UNANSWERED_RESET_WAIT: Duration = Duration::from_secs(1);
+
+/// The engine's answer headers, or why they did not come.
+pub(crate) type Head = Result<http::Response<RecvStream>, h2::Error>;
+
+/// The engine's answer to a call, before its headers came, with the call's
+/// hold on its engine connection. Dropped before the headers came, it keeps
+/// the engine stream until they do (see the module's doc).
+pub(crate) struct UnansweredStream {
+    /// `None` once the answer's headers (or its failure) came.
+    answer: Option<ResponseFuture>,
+    lease: Option<Lease>,
+}
+
+impl UnansweredStream {
+    pub(crate) fn new(answer: ResponseFuture, lease: Option<Lease>) -> Self {
+        UnansweredStream {
+            answer: Some(answer),
+            lease,
+        }
+    }
+
+    /// The answer's headers, once they came; the lease goes back to the
+    /// call with them.
+    pub(crate) fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<(Head, Option<Lease>)> {
+        let Some(answer) = self.answer.as_mut() else {
+            return Poll::Pending;
+        };
+        let head = std::task::ready!(Pin::new(answer).poll(cx));
+        self.answer = None;
+        Poll::Ready((head, self.lease.take()))
+    }
+}
+
+impl Drop for UnansweredStream {
+    fn drop(&mut self) {
+        let Some(answer) = self.answer.take() else {
+            return;
+        };
+        let lease = self.lease.take();
+        // Without a runtime (the process is ending) the stream is reset now.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                // Headers, a failure or the wait's end: the stream (reset if it
+                // is still open) and the lease go when this ends.
+                let _ = tokio::time::timeout(UNANSWERED_RESET_WAIT, answer).await;
+                drop(lease);
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use std::future::poll_fn;
+    use tokio::sync::mpsc;
+
+    /// An h2 client and server over memory: the client's sender, and the
+    /// server's side of each stream as it is taken from the accept queue.
+    async fn pair() -> (
+        h2::client::SendRequest<Bytes>,
+        mpsc::UnboundedReceiver<h2::server::SendResponse<Bytes>>,
+    ) {
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        let server = tokio::spawn(async move {
+            let mut conn = h2::server::handshake(server_io)
+                .await
+                .expect("server handshake");
+            let (taken, streams) = mpsc::unbounded_channel();
+            tokio::spawn(async move {
+                while let Some(Ok((_request, respond))) = conn.accept().await {
+                    let _ = taken.send(respond);
+                }
+            });
+            streams
+        });
+        let (sender, conn) = h2::client::handshake(client_io)
+            .await
+            .expect("client handshake");
+        tokio::spawn(conn);
+        (sender, server.await.expect("server task"))
+    }
+
+    async fn given_up_at_once(sender: &mut h2::client::SendRequest<Bytes>) {
+        let request = http::Request::post("http://engine/svc/Method")
+            .body(())
+            .unwrap();
+        let mut sender = sender.clone().ready().await.expect("ready");
+        let (answer, _request_body) = sender.send_request(request, true).expect("sent");
+        drop(UnansweredStream::new(answer, None));
+    }
+
+    #[tokio::test]
+    async fn a_stream_given_up_before_its_answer_is_reset_once_the_engine_answered() {
+        let (mut sender, mut taken) = pair().await;
+        given_up_at_once(&mut sender).await;
+        let mut respond = taken.recv().await.expect("the engine took the stream");
+        let early = tokio::time::timeout(
+            Duration::from_millis(300),
+            poll_fn(|cx| respond.poll_reset(cx)),
+        )
+        .await;
+        assert!(
+            early.is_err(),
+            "no reset before the engine answered: {early:?}"
+        );
+        let mut answered = respond
+            .send_response(http::Response::new(()), false)
+            .expect("headers sent");
+        let reset = tokio::time::timeout(
+            Duration::from_secs(10),
+            poll_fn(|cx| answered.poll_reset(cx)),
+        )
+        .await
+        .expect("reset once answered");
+        assert_eq!(reset.expect("a reset"), h2::Reason::CANCEL);
+    }
+
+    #[tokio::test]
+    async fn a_stream_never_answered_is_reset_after_the_wait() {
+        let (mut sender, mut taken) = pair().await;
+        let given_up = tokio::time::Instant::now();
+        given_up_at_once(&mut sender).await;
+        let mut respond = taken.recv().await.expect("the engine took the stream");
+        let reset = tokio::time::timeout(
+            Duration::from_secs(10),
+            poll_fn(|cx| respond.poll_reset(cx)),
+        )
+        .await
+        .expect("reset after the wait");
+        assert_eq!(reset.expect("a reset"), h2::Reason::CANCEL);
+        assert!(given_up.elapsed() >= UNANSWERED_RESET_WAIT);
+    }
+}
