@@ -1081,11 +1081,17 @@ fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
             })
         })
         .collect();
+    // The most engine streams seen waiting for the engine's answer before
+    // their reset, read while the engine is paused.
+    let mut awaiting_reset = 0.0f64;
     if delay.is_some() {
         for _ in 0..4 {
             std::thread::sleep(Duration::from_millis(400));
             mock.proc.signal("STOP");
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(70));
+            let now = sidecar.metric("llm_sidecar_engine_streams_awaiting_reset");
+            awaiting_reset = awaiting_reset.max(now.unwrap_or(0.0));
+            std::thread::sleep(Duration::from_millis(30));
             mock.proc.signal("CONT");
         }
     } else {
@@ -1109,6 +1115,18 @@ fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
         0,
         "the engine's connections were never cut (new ones opened), beside {resets} rapid resets"
     );
+    if delay.is_some() {
+        assert!(
+            awaiting_reset > 0.0,
+            "the calls reset while the engine paused waited for its answer"
+        );
+        // Once the engine has answered them, none is left waiting.
+        wait_until(
+            HANG,
+            "every engine stream waiting for its reset reset",
+            || sidecar.metric("llm_sidecar_engine_streams_awaiting_reset") == Some(0.0),
+        );
+    }
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }

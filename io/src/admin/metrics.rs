@@ -58,6 +58,9 @@ pub(crate) struct Snapshot {
     stale_load_rule: i64,
     own_health: (u64, u64),
     answer_bytes_held: u64,
+    /// Engine streams waiting for the engine's answer before their reset, and
+    /// those reset after the wait without one.
+    unanswered: (u64, u64),
     discovery_write_failures: u64,
     loss_to_withdraw: f64,
     in_flight: u64,
@@ -97,6 +100,10 @@ impl Snapshot {
                 calls.own_health_refused.load(Relaxed),
             ),
             answer_bytes_held: calls.answer_bytes_held.load(Relaxed),
+            unanswered: (
+                calls.unanswered.waiting.load(Relaxed),
+                calls.unanswered.reset_after_wait.load(Relaxed),
+            ),
             discovery_write_failures: status.discovery_write_failures,
             loss_to_withdraw: status.loss_to_withdraw.map_or(-1.0, |d| d.as_secs_f64()),
             in_flight,
@@ -238,6 +245,20 @@ impl Snapshot {
             "Bytes of engine answers the sidecar holds for callers whose window is closed \
              (at most 64 KiB per call): high and flat means callers that do not read.",
             ConstGauge::new(self.answer_bytes_held),
+        )?;
+        one(
+            e,
+            "llm_sidecar_engine_streams_awaiting_reset",
+            "Engine streams of calls that ended before the engine answered, kept until it \
+             does (1 s at most) so that it never gets a reset for a stream it has not taken.",
+            ConstGauge::new(self.unanswered.0),
+        )?;
+        one(
+            e,
+            "llm_sidecar_engine_streams_reset_unanswered",
+            "Engine streams reset after waiting 1 s for an answer that never began: a \
+             caller's cancel reached the engine that late.",
+            ConstCounter::new(self.unanswered.1),
         )?;
         let outcomes = CallOutcome::ALL.map(CallOutcome::label);
         labelled(

@@ -510,7 +510,8 @@ async fn engine_answer(
     // The request goes out while the answer's headers are awaited. Given up
     // before they come, the engine stream is reset only once the engine has
     // taken it (`unanswered_stream`): the lease goes with it till then.
-    let mut awaiting = UnansweredStream::new(answer, lease.take());
+    let mut awaiting =
+        UnansweredStream::new(answer, lease.take(), plane.counters.unanswered.clone());
     let head = poll_fn(|cx| {
         if let Some(ending) = ends.poll(cx) {
             return Poll::Ready(Err(Unanswered::Ended(ending)));

@@ -103,6 +103,9 @@ pub(crate) struct CallCounters {
     pub(crate) own_health_refused: AtomicU64,
     /// Bytes of engine answers read and waiting for their callers' window.
     pub(crate) answer_bytes_held: AtomicU64,
+    /// Engine streams given up before their answer began, kept until the
+    /// engine takes them.
+    pub(crate) unanswered: std::sync::Arc<super::unanswered_stream::UnansweredCounts>,
     /// Admitted calls' time from admission to their end, indexed like
     /// [`CallOutcome::ALL`]: one histogram per outcome, made at start, so a
     /// call's end touches no map.
@@ -122,6 +125,7 @@ impl Default for CallCounters {
             own_health_open: AtomicU64::default(),
             own_health_refused: AtomicU64::default(),
             answer_bytes_held: AtomicU64::default(),
+            unanswered: Default::default(),
             duration: std::array::from_fn(|_| Histogram::new(CALL_SECONDS)),
             first_message: std::array::from_fn(|_| Histogram::new(FIRST_MESSAGE_SECONDS)),
         }

@@ -22,6 +22,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -37,6 +39,15 @@ use super::engine_pool::Lease;
 /// engine goes on with a request nobody wants, this long at most.
 pub(crate) const UNANSWERED_RESET_WAIT: Duration = Duration::from_secs(1);
 
+/// What `/metrics` shows of the streams kept until the engine takes them.
+#[derive(Debug, Default)]
+pub(crate) struct UnansweredCounts {
+    /// Engine streams given up before their answer began, not reset yet.
+    pub(crate) waiting: AtomicU64,
+    /// Of those, reset after [`UNANSWERED_RESET_WAIT`] with no answer.
+    pub(crate) reset_after_wait: AtomicU64,
+}
+
 /// The engine's answer headers, or why they did not come.
 pub(crate) type Head = Result<http::Response<RecvStream>, h2::Error>;
 
@@ -47,13 +58,19 @@ pub(crate) struct UnansweredStream {
     /// `None` once the answer's headers (or its failure) came.
     answer: Option<ResponseFuture>,
     lease: Option<Lease>,
+    counts: Arc<UnansweredCounts>,
 }
 
 impl UnansweredStream {
-    pub(crate) fn new(answer: ResponseFuture, lease: Option<Lease>) -> Self {
+    pub(crate) fn new(
+        answer: ResponseFuture,
+        lease: Option<Lease>,
+        counts: Arc<UnansweredCounts>,
+    ) -> Self {
         UnansweredStream {
             answer: Some(answer),
             lease,
+            counts,
         }
     }
 
@@ -75,13 +92,21 @@ impl Drop for UnansweredStream {
             return;
         };
         let lease = self.lease.take();
+        let counts = self.counts.clone();
         // Without a runtime (the process is ending) the stream is reset now.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            counts.waiting.fetch_add(1, Ordering::Relaxed);
             runtime.spawn(async move {
                 // Headers, a failure or the wait's end: the stream (reset if it
                 // is still open) and the lease go when this ends.
-                let _ = tokio::time::timeout(UNANSWERED_RESET_WAIT, answer).await;
+                if tokio::time::timeout(UNANSWERED_RESET_WAIT, answer)
+                    .await
+                    .is_err()
+                {
+                    counts.reset_after_wait.fetch_add(1, Ordering::Relaxed);
+                }
                 drop(lease);
+                counts.waiting.fetch_sub(1, Ordering::Relaxed);
             });
         }
     }
@@ -120,20 +145,36 @@ mod tests {
         (sender, server.await.expect("server task"))
     }
 
-    async fn given_up_at_once(sender: &mut h2::client::SendRequest<Bytes>) {
+    /// Sends a call and gives it up at once, before any answer.
+    async fn given_up_at_once(
+        sender: &mut h2::client::SendRequest<Bytes>,
+        counts: &Arc<UnansweredCounts>,
+    ) {
         let request = http::Request::post("http://engine/svc/Method")
             .body(())
             .unwrap();
         let mut sender = sender.clone().ready().await.expect("ready");
         let (answer, _request_body) = sender.send_request(request, true).expect("sent");
-        drop(UnansweredStream::new(answer, None));
+        drop(UnansweredStream::new(answer, None, counts.clone()));
+    }
+
+    /// The counts (waiting, reset after the wait) once the stream's task had
+    /// time to end.
+    async fn settled(counts: &UnansweredCounts) -> (u64, u64) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        (
+            counts.waiting.load(Ordering::Relaxed),
+            counts.reset_after_wait.load(Ordering::Relaxed),
+        )
     }
 
     #[tokio::test]
     async fn a_stream_given_up_before_its_answer_is_reset_once_the_engine_answered() {
         let (mut sender, mut taken) = pair().await;
-        given_up_at_once(&mut sender).await;
+        let counts = Arc::new(UnansweredCounts::default());
+        given_up_at_once(&mut sender, &counts).await;
         let mut respond = taken.recv().await.expect("the engine took the stream");
+        assert_eq!(counts.waiting.load(Ordering::Relaxed), 1);
         let early = tokio::time::timeout(
             Duration::from_millis(300),
             poll_fn(|cx| respond.poll_reset(cx)),
@@ -153,13 +194,15 @@ mod tests {
         .await
         .expect("reset once answered");
         assert_eq!(reset.expect("a reset"), h2::Reason::CANCEL);
+        assert_eq!(settled(&counts).await, (0, 0));
     }
 
     #[tokio::test]
     async fn a_stream_never_answered_is_reset_after_the_wait() {
         let (mut sender, mut taken) = pair().await;
+        let counts = Arc::new(UnansweredCounts::default());
         let given_up = tokio::time::Instant::now();
-        given_up_at_once(&mut sender).await;
+        given_up_at_once(&mut sender, &counts).await;
         let mut respond = taken.recv().await.expect("the engine took the stream");
         let reset = tokio::time::timeout(
             Duration::from_secs(10),
@@ -169,5 +212,6 @@ mod tests {
         .expect("reset after the wait");
         assert_eq!(reset.expect("a reset"), h2::Reason::CANCEL);
         assert!(given_up.elapsed() >= UNANSWERED_RESET_WAIT);
+        assert_eq!(settled(&counts).await, (0, 1));
     }
 }
