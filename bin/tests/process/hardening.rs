@@ -1209,6 +1209,63 @@ fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
 
+/// Attack 6 again, one step further: calls that send HEADERS and the start of
+/// a message (its prefix declares 100 bytes, 10 come), then nothing. The
+/// engine stream opens with the first DATA and the engine waits for the rest
+/// of the message; it must not wait for ever. The call is answered
+/// DEADLINE_EXCEEDED once the message has not arrived whole within 10 s, and
+/// its engine stream is let go.
+#[test]
+fn a_request_message_stalled_half_sent_ends_after_the_arrival_wait() {
+    let dir = TempDir::new("stalled-message");
+    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
+    let target = sidecar.listen;
+    let answer = rt().block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(target)
+            .await
+            .expect("connect");
+        let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        tokio::spawn(connection);
+        let mut client = client.ready().await.expect("ready");
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .expect("request");
+        let (answer, mut body) = client.send_request(request, false).expect("send");
+        let mut start = vec![0u8, 0, 0, 0, 100];
+        start.extend([7u8; 10]);
+        body.send_data(bytes::Bytes::from(start), false)
+            .expect("the message's start");
+        let answered = tokio::time::timeout(Duration::from_secs(30), answer).await;
+        (answered, body)
+    });
+    let (answered, _body) = answer;
+    let answer = answered
+        .expect("answered within the arrival wait")
+        .expect("response headers");
+    assert_eq!(answer.headers()["grpc-status"], "4", "DEADLINE_EXCEEDED");
+    let message = answer.headers()["grpc-message"]
+        .to_str()
+        .unwrap_or_default();
+    assert!(message.contains("did%20not%20arrive%20whole"), "{message}");
+    // The engine took the stream (the message had begun) and lets it go.
+    wait_until(HANG, "the engine's stream let go", || {
+        mock.stats()["cancelled_ids"]
+            .as_array()
+            .is_some_and(|ids| !ids.is_empty())
+            || sidecar.metric("llm_sidecar_engine_streams_reset_unanswered") == Some(1.0)
+    });
+    assert_eq!(
+        sidecar.metric("llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"),
+        Some(1.0)
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
 /// Attack 4 of hardening round three: a caller that opens its windows wide
 /// (2 GiB), starts 512 calls of 20,000 tokens each, and never reads its
 /// socket. What the sidecar buffers for it is bounded per stream: its RSS

@@ -47,6 +47,12 @@ const REFUSED_BODY_WAIT: Duration = Duration::from_millis(250);
 /// engine stream meanwhile.
 const REQUEST_START_WAIT: Duration = Duration::from_secs(10);
 
+/// How long a request message, once begun, may take to arrive whole: a call
+/// whose message stalls half-sent holds its engine stream (the engine waits
+/// for the rest) no longer than this, and is answered DEADLINE_EXCEEDED. A
+/// caller may wait as long as it likes between messages.
+const MESSAGE_ARRIVAL_WAIT: Duration = REQUEST_START_WAIT;
+
 /// How long the rest of an early-ended call's request is read and dropped
 /// before its stream is let go (see [`linger`]).
 const LINGER: Duration = Duration::from_secs(2);
@@ -101,8 +107,9 @@ fn send_status(respond: &mut SendResponse<Bytes>, code: Code, message: &str) {
 /// ends.
 ///
 /// Routing and admission happen here, before the future exists, and what the
-/// future keeps for a forwarded call's whole life is its [`Relay`] (296 bytes
-/// in all; keeping the call's times for `/metrics` added 24): the request's
+/// future keeps for a forwarded call's whole life is its [`Relay`] (368 bytes
+/// in all, measured with `size_of` on 2026-12-04; the answer bytes held and the
+/// half-sent message's timer are among them): the request's
 /// headers, and the opening of the engine stream (which may open its
 /// connection, kilobytes of future), live in a box freed once the answer's
 /// headers are passed on. Written as one async function, a
@@ -502,6 +509,7 @@ async fn engine_answer(
             held: first.map(|data| (data, ended)),
             inner: Some(body),
             engine: engine_stream,
+            message_by: limiter.mid_message().then(RequestPump::message_wait),
             limiter,
             plane: plane.clone(),
             bytes,
@@ -555,6 +563,11 @@ fn unanswered(
             Code::Cancelled,
             CALLER_GONE_MESSAGE.to_string(),
         ),
+        Unanswered::Request(RequestFailed::MessageStalled) => (
+            CallOutcome::DeadlineExceeded,
+            Code::DeadlineExceeded,
+            message_stalled(),
+        ),
         Unanswered::NotStarted => (
             CallOutcome::DeadlineExceeded,
             Code::DeadlineExceeded,
@@ -572,6 +585,14 @@ fn unanswered(
     };
     call.set_outcome(outcome);
     send_status(respond, code, &message);
+}
+
+/// The status message of a call whose request message stalled half-sent.
+fn message_stalled() -> String {
+    format!(
+        "a request message did not arrive whole within {} of its first bytes",
+        llm_sidecar_core::HumanDuration(MESSAGE_ARRIVAL_WAIT)
+    )
 }
 
 /// Ends a stream with trailers, first giving back the window it had claimed
@@ -679,6 +700,9 @@ struct RequestPump {
     /// A DATA frame read and waiting for window, and whether it ends the request.
     held: Option<(Bytes, bool)>,
     limiter: MessageLimiter,
+    /// Armed while a message is half-sent: it must arrive whole by then.
+    /// Never made for a caller whose messages come whole in their frames.
+    message_by: Option<Pin<Box<tokio::time::Sleep>>>,
     plane: Arc<Plane>,
     /// Bytes forwarded, added to the shared counter once, when the pump is dropped:
     /// a shared atomic per frame would bounce its cache line between cores.
@@ -704,6 +728,8 @@ enum RequestFailed {
     TooLarge,
     /// The caller's request failed (a reset).
     CallerGone,
+    /// A message began and did not arrive whole within [`MESSAGE_ARRIVAL_WAIT`].
+    MessageStalled,
 }
 
 /// Waits for the request to begin: its first DATA (returned, its window
@@ -764,6 +790,11 @@ fn drive_request(
 }
 
 impl RequestPump {
+    /// The time a message begun now has to arrive whole.
+    fn message_wait() -> Pin<Box<tokio::time::Sleep>> {
+        Box::pin(tokio::time::sleep(MESSAGE_ARRIVAL_WAIT))
+    }
+
     fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<PumpEnd> {
         let Some(inner) = self.inner.as_mut() else {
             return Poll::Ready(PumpEnd::Sent);
@@ -792,12 +823,23 @@ impl RequestPump {
                 }
                 continue;
             }
+            // Waiting for the caller now: a half-sent message has its time.
+            if let Some(by) = self.message_by.as_mut()
+                && by.as_mut().poll(cx).is_ready()
+            {
+                return Poll::Ready(PumpEnd::Failed(RequestFailed::MessageStalled));
+            }
             match ready!(inner.poll_data(cx)) {
                 Some(Ok(data)) => {
                     let _ = inner.flow_control().release_capacity(data.len());
                     self.bytes += data.len() as u64;
                     if self.limiter.feed(&data).is_err() {
                         return Poll::Ready(PumpEnd::Failed(RequestFailed::TooLarge));
+                    }
+                    if !self.limiter.mid_message() {
+                        self.message_by = None;
+                    } else if self.message_by.is_none() {
+                        self.message_by = Some(RequestPump::message_wait());
                     }
                     if !data.is_empty() {
                         // A claim on the window, not the frame's size: h2
@@ -900,6 +942,14 @@ impl Relay {
         match drive_request(&mut self.pump, cx) {
             Ok(()) => {}
             Err(RequestFailed::TooLarge) => return self.end_too_large(),
+            Err(RequestFailed::MessageStalled) => {
+                let message = message_stalled();
+                return self.end_with(
+                    CallOutcome::DeadlineExceeded,
+                    Code::DeadlineExceeded,
+                    &message,
+                );
+            }
             Err(RequestFailed::CallerGone) => {
                 return self.end_with(
                     CallOutcome::CancelledByCaller,

@@ -76,6 +76,11 @@ impl MessageLimiter {
         self.limit
     }
 
+    /// A message has begun and not all of it was fed yet.
+    pub(crate) fn mid_message(&self) -> bool {
+        self.prefix_len > 0 || self.payload_left > 0
+    }
+
     /// Feeds one chunk; `Err(len)` if a message declares more than the limit.
     pub(crate) fn feed(&mut self, mut chunk: &[u8]) -> Result<(), u32> {
         while !chunk.is_empty() {
@@ -106,6 +111,21 @@ impl MessageLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_is_begun_until_its_last_byte_is_fed() {
+        let mut limiter = MessageLimiter::new(1024);
+        assert!(!limiter.mid_message());
+        limiter.feed(&[0, 0, 0]).unwrap();
+        assert!(limiter.mid_message(), "half a prefix");
+        limiter.feed(&[0, 3, b'a']).unwrap();
+        assert!(limiter.mid_message(), "2 of 3 payload bytes to come");
+        limiter.feed(&[b'b', b'c', 0, 0, 0, 0, 0]).unwrap();
+        assert!(
+            !limiter.mid_message(),
+            "that one and an empty one, complete"
+        );
+    }
 
     #[test]
     fn grpc_timeouts_parse() {
