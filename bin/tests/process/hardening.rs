@@ -1160,13 +1160,7 @@ fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
                     break;
                 };
                 let Ok(mut client) = client else { break };
-                let request = http::Request::builder()
-                    .method("POST")
-                    .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
-                    .header("content-type", "application/grpc")
-                    .header("te", "trailers")
-                    .body(())
-                    .expect("request");
+                let request = raw_h2::generate_request_head(target);
                 let (answer, body) = client.send_request(request, false).expect("send");
                 held.push((answer, body));
             }
@@ -1227,13 +1221,7 @@ fn a_request_message_stalled_half_sent_ends_after_the_arrival_wait() {
         let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
         tokio::spawn(connection);
         let mut client = client.ready().await.expect("ready");
-        let request = http::Request::builder()
-            .method("POST")
-            .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .expect("request");
+        let request = raw_h2::generate_request_head(target);
         let (answer, mut body) = client.send_request(request, false).expect("send");
         let mut start = vec![0u8, 0, 0, 0, 100];
         start.extend([7u8; 10]);

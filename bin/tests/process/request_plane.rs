@@ -633,13 +633,7 @@ async fn raw_generate(
     req: GenerateRequest,
 ) -> h2::RecvStream {
     use prost::Message;
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .expect("request");
+    let request = crate::support::raw_h2::generate_request_head(target);
     let message = req.encode_to_vec();
     let mut framed = vec![0u8];
     framed.extend_from_slice(&(message.len() as u32).to_be_bytes());

