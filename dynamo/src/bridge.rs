@@ -61,8 +61,9 @@ pub struct Bridge {
     next: AtomicUsize,
     calls: HostedCalls,
     served: Served,
-    /// What the engine reported of its KV cache at this worker's start.
-    capacity: Mutex<Capacity>,
+    /// What the engine reported of its KV cache and ranks, checked, read
+    /// just before this worker started.
+    capacity: Capacity,
     /// What the engine said it serves per request, set at this worker's
     /// start (before any request), read by every request.
     caps: OnceLock<Capabilities>,
@@ -72,33 +73,46 @@ pub struct Bridge {
     worker_id: AtomicU64,
     /// Ends the load poller and the KV event relays with this worker.
     stop: CancellationToken,
+    /// What the KV event relays leave out, on `/metrics`.
+    kv_dropped: kv_events::Dropped,
 }
 
 impl Bridge {
-    /// A bridge over `channels` (at least one; calls take them in turn),
-    /// whose background work ends with `stop`.
+    /// A bridge over `channels` (at least one; calls take them in turn) for
+    /// an engine of this (checked) capacity, whose background work ends with
+    /// `stop`.
     pub fn new(
         channels: Vec<Channel>,
         calls: HostedCalls,
         served: Served,
+        capacity: Capacity,
         stop: CancellationToken,
     ) -> Self {
         assert!(!channels.is_empty(), "at least one engine channel");
+        let kv_dropped = kv_events::Dropped {
+            events: calls.counter(
+                "llm_sidecar_kv_events_dropped",
+                "KV events of the engine not relayed to Dynamo's router: their rank sent more \
+                 than 50,000 blocks a second (the router's view of the rank is cleared once \
+                 they slow down).",
+            ),
+            blocks: calls.counter(
+                "llm_sidecar_kv_blocks_not_credited",
+                "Stored KV blocks not credited at Dynamo's router: beyond the engine's total.",
+            ),
+        };
         Bridge {
+            kv_dropped,
             channels,
             next: AtomicUsize::new(0),
             calls,
             served,
-            capacity: Mutex::new(Capacity::default()),
+            capacity,
             caps: OnceLock::new(),
             open: Arc::new(OpenStreams::default()),
             worker_id: AtomicU64::new(0),
             stop,
         }
-    }
-
-    fn capacity(&self) -> Capacity {
-        *self.capacity.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn channel(&self) -> Channel {
@@ -226,12 +240,7 @@ fn read_to_end(
 impl LLMEngine for Bridge {
     async fn start(&self, worker_id: u64) -> Result<EngineConfig, DynamoError> {
         self.worker_id.store(worker_id, Ordering::Relaxed);
-        // The engine answered its start-up calls before llm-sidecar
-        // registered; its capacity is read here, for the registration.
-        let capacity = load::read_capacity(self.channel())
-            .await
-            .map_err(|status| status_error(&status, true).0)?;
-        *self.capacity.lock().unwrap_or_else(|p| p.into_inner()) = capacity;
+        let capacity = self.capacity;
         // What the engine serves per request, so a request it cannot serve
         // is refused before it is sent.
         let mut control = ControlClient::new(self.channel());
@@ -276,7 +285,7 @@ impl LLMEngine for Bridge {
     async fn kv_event_sources(
         &self,
     ) -> Result<Vec<dynamo_backend_common::KvEventSource>, DynamoError> {
-        let capacity = self.capacity();
+        let capacity = self.capacity;
         let found = match capacity.kv_block_size {
             None => Err(NoEvents::NoBlockSize),
             Some(block_size) => kv_events::discover(self.channel(), &capacity.ranks())
@@ -312,6 +321,8 @@ impl LLMEngine for Bridge {
             .map(|source| {
                 let (rank, stop) = (source.rank, self.stop.clone());
                 let heartbeat = capacity.kv_event_heartbeat;
+                let total_blocks = capacity.total_kv_blocks.unwrap_or(0);
+                let dropped = self.kv_dropped.clone();
                 dynamo_backend_common::KvEventSource::Push {
                     dp_rank: rank,
                     on_ready: Box::new(move |publisher| {
@@ -322,6 +333,8 @@ impl LLMEngine for Bridge {
                                 worker_id,
                                 block_size,
                                 heartbeat,
+                                total_blocks,
+                                dropped,
                                 stop,
                             }
                             .run(),
@@ -336,7 +349,7 @@ impl LLMEngine for Bridge {
     /// Declares the ranks whose load is published, and starts the `GetLoad`
     /// poller once Dynamo hands over its snapshot publisher.
     async fn setup_metrics(&self, _ctx: MetricsCtx<'_>) -> Result<MetricsBindings, DynamoError> {
-        let ranks = self.capacity().ranks();
+        let ranks = self.capacity.ranks();
         if ranks.is_empty() {
             return Ok(MetricsBindings::default());
         }

@@ -20,6 +20,7 @@
 //! never judged by its silence: an idle engine has nothing to say.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dynamo_backend_common::KvEventPublisher;
@@ -35,6 +36,144 @@ use tonic::transport::Channel;
 /// How many heartbeat intervals of silence make a publisher untrusted, as
 /// Dynamo's current OpenEngine sidecar counts them.
 pub const SILENT_INTERVALS: u32 = 3;
+
+/// How many KV blocks per second one rank may store or remove at the router,
+/// sustained. Dynamo's publisher queues every event it is handed without a
+/// bound and cannot say how far behind it is, so a publisher faster than it
+/// grows this process without limit (6 to 9 million events in 10 s grew it by
+/// 1 GB; 240,000 a second grew a debug build by 300 MB in 10 s). A busy
+/// engine stores a block per `block size` tokens it prefills or decodes and
+/// removes as many: 200,000 tokens a second in 16-token blocks is 12,500
+/// blocks stored and as many removed.
+pub const BLOCKS_PER_SECOND: u64 = 50_000;
+
+/// How far one rank may run ahead of [`BLOCKS_PER_SECOND`] at once (an
+/// engine's burst after a long prefill batch).
+pub const BURST_BLOCKS: u64 = 100_000;
+
+/// The largest KV event message taken from an engine's publisher (a larger
+/// one closes the connection, which ZMQ then opens again): a batch of 100,000
+/// stored blocks of 16 tokens each is about 5 MB.
+pub const MAX_MESSAGE_BYTES: i64 = 16 << 20;
+
+/// How many messages ZMQ may hold for the relay before the publisher's side
+/// drops them (its default, 1,000, holds 100 MB of a flood's batches).
+pub const QUEUED_MESSAGES: i32 = 16;
+
+/// What one rank's events may still put into the router's index: a token
+/// bucket of blocks per second (an event costs its blocks, at least one), and
+/// the engine's total: blocks the router holds for the rank are never more
+/// than the engine has. Time is an input.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    /// Blocks the bucket holds now.
+    tokens: u64,
+    /// When the bucket was last refilled.
+    refilled: Instant,
+    /// The engine's total KV blocks for this rank.
+    total: u64,
+    /// Blocks credited to this rank at the router (stored less removed, as
+    /// relayed; an estimate that errs low when the engine removes blocks the
+    /// router never had).
+    credited: u64,
+    /// Events dropped since the last `Cleared`: the router's view of the
+    /// rank is wrong until it is cleared again.
+    diverged: u64,
+}
+
+/// What the budget made of one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Pass it on; `cut` blocks of a stored event were left out, beyond the
+    /// engine's total.
+    Pass { cut: u64 },
+    /// Dropped: the rank is over its rate.
+    Dropped,
+}
+
+impl Budget {
+    /// A full bucket, for a rank of `total` blocks, at `now`.
+    pub fn new(total: u64, now: Instant) -> Self {
+        Budget {
+            tokens: BURST_BLOCKS,
+            refilled: now,
+            total,
+            credited: 0,
+            diverged: 0,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.refilled);
+        let earned = (elapsed.as_micros() as u64).saturating_mul(BLOCKS_PER_SECOND) / 1_000_000;
+        if earned > 0 {
+            self.tokens = self.tokens.saturating_add(earned).min(BURST_BLOCKS);
+            self.refilled = now;
+        }
+    }
+
+    /// Whether the events dropped since the last `Cleared` must be made good
+    /// by a `Cleared` now: some were dropped and the bucket is half full
+    /// again (not at its first refill, so a steady flood clears the rank
+    /// about once a second, not at every message).
+    pub fn must_clear(&mut self, now: Instant) -> Option<u64> {
+        self.refill(now);
+        (self.diverged > 0 && self.tokens >= BURST_BLOCKS / 2).then_some(self.diverged)
+    }
+
+    /// A `Cleared` reached the router: it holds nothing of this rank.
+    pub fn cleared(&mut self) {
+        self.credited = 0;
+        self.diverged = 0;
+    }
+
+    /// Takes `event` through the budget, cutting a stored event's blocks to
+    /// what the engine's total leaves.
+    pub fn admit(&mut self, event: &mut KvCacheEventData, now: Instant) -> Verdict {
+        self.refill(now);
+        let cost = match event {
+            KvCacheEventData::Stored(s) => s.blocks.len() as u64,
+            KvCacheEventData::Removed(r) => r.block_hashes.len() as u64,
+            KvCacheEventData::Cleared => 0,
+        }
+        .max(1);
+        // Once events were dropped, the rank is cleared before anything else
+        // passes: the router's view restarts from nothing.
+        if self.diverged > 0 || self.tokens < cost.min(BURST_BLOCKS) {
+            self.diverged += 1;
+            return Verdict::Dropped;
+        }
+        self.tokens -= cost.min(self.tokens);
+        match event {
+            KvCacheEventData::Stored(s) => {
+                let room = self.total.saturating_sub(self.credited);
+                let cut = (s.blocks.len() as u64).saturating_sub(room);
+                // Stored blocks are a chain from their parent: the ones kept
+                // are its beginning.
+                s.blocks.truncate(s.blocks.len() - cut as usize);
+                self.credited += s.blocks.len() as u64;
+                Verdict::Pass { cut }
+            }
+            KvCacheEventData::Removed(r) => {
+                self.credited = self.credited.saturating_sub(r.block_hashes.len() as u64);
+                Verdict::Pass { cut: 0 }
+            }
+            KvCacheEventData::Cleared => {
+                self.cleared();
+                Verdict::Pass { cut: 0 }
+            }
+        }
+    }
+}
+
+/// Counters of what the relays left out, on the admin port's `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct Dropped {
+    /// Events dropped for a rank over [`BLOCKS_PER_SECOND`].
+    pub events: Arc<AtomicU64>,
+    /// Stored blocks not credited, beyond the engine's total.
+    pub blocks: Arc<AtomicU64>,
+}
 
 /// One engine publisher this worker relays.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +299,10 @@ pub struct Relay {
     pub block_size: u32,
     /// The engine's heartbeat interval, if it advertises one.
     pub heartbeat: Option<Duration>,
+    /// The engine's total KV blocks per rank: no more are credited.
+    pub total_blocks: u64,
+    /// Where what was left out is counted.
+    pub dropped: Dropped,
     /// Ends the relay with the worker.
     pub stop: CancellationToken,
 }
@@ -167,73 +310,34 @@ pub struct Relay {
 impl Relay {
     /// Runs the relay until `stop`.
     pub async fn run(self) {
-        let Relay {
-            source,
-            publisher,
-            worker_id,
-            block_size,
-            heartbeat,
-            stop,
-        } = self;
-        let rank = source.rank;
-        let subscribed = tmq::subscribe(&tmq::Context::new())
-            .set_reconnect_ivl(100)
-            .set_reconnect_ivl_max(5_000)
-            .set_linger(0)
-            .connect(&source.endpoint)
-            .and_then(|s| s.subscribe(source.topic.as_bytes()));
-        let mut socket = match subscribed {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(
-                    rank,
-                    endpoint = source.endpoint,
-                    "cannot subscribe to the engine's KV events: {e}; Dynamo's router gets \
-                     none from this worker"
-                );
-                return;
-            }
+        let rank = self.source.rank;
+        let Some(mut socket) = self.subscribe() else {
+            return;
         };
-        tracing::info!(
-            rank,
-            endpoint = source.endpoint,
-            topic = source.topic,
-            "relaying the engine's KV events to Dynamo's router"
-        );
-        let worker = WorkerWithDpRank::new(worker_id, rank);
-        let mut normalizer = ZmqEventNormalizer::new(block_size);
-        let silent_after = heartbeat.map(|h| h * SILENT_INTERVALS);
-        let mut last_heard = Instant::now();
-        let mut trusted = true;
-        let mut undecodable = 0u64;
+        let mut state = RelayState {
+            normalizer: ZmqEventNormalizer::new(self.block_size),
+            worker: WorkerWithDpRank::new(self.worker_id, rank),
+            budget: Budget::new(self.total_blocks, Instant::now()),
+            last_heard: Instant::now(),
+            trusted: true,
+            undecodable: 0,
+            said: Said::default(),
+        };
+        let silent_after = self.heartbeat.map(|h| h * SILENT_INTERVALS);
         loop {
-            let deadline = silent_after.map(|s| last_heard + s);
+            let deadline = silent_after.map(|s| state.last_heard + s);
             let silence = async {
                 match deadline {
-                    Some(d) if trusted => tokio::time::sleep_until(d).await,
+                    Some(d) if state.trusted => tokio::time::sleep_until(d).await,
                     _ => std::future::pending().await,
                 }
             };
             let frames = tokio::select! {
-                () = stop.cancelled() => return,
+                () = self.stop.cancelled() => return,
                 () = silence => {
-                    trusted = false;
-                    let cleared = KvCacheEvent {
-                        event_id: publisher.next_event_id(),
-                        data: KvCacheEventData::Cleared,
-                        dp_rank: rank,
-                    };
-                    if publisher.publish(cleared).is_err() {
+                    if !self.fell_silent(&mut state) {
                         return;
                     }
-                    tracing::warn!(
-                        rank,
-                        "the engine's KV events have been silent for {:?} ({SILENT_INTERVALS} \
-                         heartbeat intervals): Dynamo's router now forgets every block it \
-                         credited to this worker's rank {rank} and routes it as a worker \
-                         without events until they resume",
-                        last_heard.elapsed()
-                    );
                     continue;
                 }
                 next = socket.next() => match next {
@@ -246,52 +350,200 @@ impl Relay {
                     None => return,
                 },
             };
-            last_heard = Instant::now();
-            if !trusted {
-                trusted = true;
-                tracing::info!(
-                    rank,
-                    "the engine's KV events resumed: Dynamo's router learns this worker's \
-                     blocks again as they are stored"
-                );
-            }
-            let Some(payload) = frames.get(2).filter(|_| frames.len() == 3) else {
-                undecodable += 1;
-                if undecodable == 1 {
-                    tracing::warn!(
-                        rank,
-                        "a KV event message of {} frames, not 3 (topic, sequence, payload): \
-                         dropped (said once)",
-                        frames.len()
-                    );
-                }
-                continue;
-            };
-            let batch = match decode_event_batch(payload) {
-                Ok(b) => b,
-                Err(e) => {
-                    undecodable += 1;
-                    if undecodable == 1 {
-                        tracing::warn!(rank, "a KV event batch did not decode: {e} (said once)");
-                    }
-                    continue;
-                }
-            };
-            let mut events = Vec::with_capacity(batch.events.len());
-            for raw in batch.events {
-                let Ok(raw) = normalizer.preprocess_with_reason(raw, worker) else {
-                    continue;
-                };
-                if let Some(e) =
-                    normalizer.normalize_preprocessed(raw, publisher.next_event_id(), worker)
-                {
-                    events.push(e.event);
-                }
-            }
-            if !events.is_empty() && publisher.publish_batch(events).is_err() {
+            if !self.relay_message(&mut state, &frames) {
                 return;
             }
+            // Under a flood the socket is always ready, and it is no tokio
+            // resource: without this the relay never yields and starves every
+            // task behind it on its thread (the lifecycle's timers, the load
+            // probe: the engine was judged stale after 35 s of a flood).
+            tokio::task::consume_budget().await;
         }
+    }
+
+    /// The SUB socket on the engine's publisher, or `None` (said once).
+    fn subscribe(&self) -> Option<tmq::subscribe::Subscribe> {
+        let subscribed = tmq::subscribe(&tmq::Context::new())
+            .set_reconnect_ivl(100)
+            .set_reconnect_ivl_max(5_000)
+            .set_linger(0)
+            .set_maxmsgsize(MAX_MESSAGE_BYTES)
+            .set_rcvhwm(QUEUED_MESSAGES)
+            .connect(&self.source.endpoint)
+            .and_then(|s| s.subscribe(self.source.topic.as_bytes()));
+        match subscribed {
+            Ok(socket) => {
+                tracing::info!(
+                    rank = self.source.rank,
+                    endpoint = self.source.endpoint,
+                    topic = self.source.topic,
+                    "relaying the engine's KV events to Dynamo's router"
+                );
+                Some(socket)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    rank = self.source.rank,
+                    endpoint = self.source.endpoint,
+                    "cannot subscribe to the engine's KV events: {e}; Dynamo's router gets \
+                     none from this worker"
+                );
+                None
+            }
+        }
+    }
+
+    /// Publishes `Cleared` for the rank; false once the publisher is gone.
+    fn clear(&self, state: &mut RelayState) -> bool {
+        let cleared = KvCacheEvent {
+            event_id: self.publisher.next_event_id(),
+            data: KvCacheEventData::Cleared,
+            dp_rank: self.source.rank,
+        };
+        state.budget.cleared();
+        self.publisher.publish(cleared).is_ok()
+    }
+
+    /// Three heartbeats of silence: the router forgets the rank's blocks.
+    fn fell_silent(&self, state: &mut RelayState) -> bool {
+        let rank = self.source.rank;
+        state.trusted = false;
+        if !self.clear(state) {
+            return false;
+        }
+        tracing::warn!(
+            rank,
+            "the engine's KV events have been silent for {:?} ({SILENT_INTERVALS} heartbeat \
+             intervals): Dynamo's router now forgets every block it credited to this \
+             worker's rank {rank} and routes it as a worker without events until they resume",
+            state.last_heard.elapsed()
+        );
+        true
+    }
+
+    /// Decodes one message and hands its events to Dynamo's publisher
+    /// through the rank's budget; false once the publisher is gone.
+    fn relay_message(&self, state: &mut RelayState, frames: &[Vec<u8>]) -> bool {
+        let rank = self.source.rank;
+        let now = Instant::now();
+        state.last_heard = now;
+        if !state.trusted {
+            state.trusted = true;
+            tracing::info!(
+                rank,
+                "the engine's KV events resumed: Dynamo's router learns this worker's blocks \
+                 again as they are stored"
+            );
+        }
+        if let Some(dropped) = state.budget.must_clear(now) {
+            if !self.clear(state) {
+                return false;
+            }
+            if state.said.due(now) {
+                tracing::info!(
+                    rank,
+                    "the engine's KV events are within {BLOCKS_PER_SECOND} blocks a second \
+                     again after {dropped} were dropped: Dynamo's router forgot this rank's \
+                     blocks and learns them anew as they are stored (said at most once a \
+                     minute; /metrics counts every drop)"
+                );
+            }
+        }
+        let Some(payload) = frames.get(2).filter(|_| frames.len() == 3) else {
+            state.undecodable += 1;
+            if state.undecodable == 1 {
+                tracing::warn!(
+                    rank,
+                    "a KV event message of {} frames, not 3 (topic, sequence, payload): \
+                     dropped (said once)",
+                    frames.len()
+                );
+            }
+            return true;
+        };
+        let batch = match decode_event_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                state.undecodable += 1;
+                if state.undecodable == 1 {
+                    tracing::warn!(rank, "a KV event batch did not decode: {e} (said once)");
+                }
+                return true;
+            }
+        };
+        let mut events = Vec::with_capacity(batch.events.len().min(1_024));
+        for raw in batch.events {
+            let Ok(raw) = state.normalizer.preprocess_with_reason(raw, state.worker) else {
+                continue;
+            };
+            let Some(mut e) = state.normalizer.normalize_preprocessed(
+                raw,
+                self.publisher.next_event_id(),
+                state.worker,
+            ) else {
+                continue;
+            };
+            match state.budget.admit(&mut e.event.data, now) {
+                Verdict::Pass { cut } => {
+                    if cut > 0 {
+                        self.dropped.blocks.fetch_add(cut, Ordering::Relaxed);
+                        if self.dropped.blocks.load(Ordering::Relaxed) == cut {
+                            tracing::warn!(
+                                rank,
+                                "a KV event stores more blocks than the engine's {} in all: \
+                                 {cut} not credited at Dynamo's router (counted on /metrics; \
+                                 said once)",
+                                self.total_blocks
+                            );
+                        }
+                    }
+                    events.push(e.event);
+                }
+                Verdict::Dropped => {
+                    self.dropped.events.fetch_add(1, Ordering::Relaxed);
+                    if state.budget.diverged == 1 && state.said.due(now) {
+                        tracing::warn!(
+                            rank,
+                            "the engine's KV events arrive faster than {BLOCKS_PER_SECOND} \
+                             blocks a second: dropped (counted on /metrics) until they slow \
+                             down; Dynamo's router then forgets this rank's blocks and learns \
+                             them anew"
+                        );
+                    }
+                }
+            }
+        }
+        events.is_empty() || self.publisher.publish_batch(events).is_ok()
+    }
+}
+
+/// What one relay keeps between messages.
+struct RelayState {
+    normalizer: ZmqEventNormalizer,
+    worker: WorkerWithDpRank,
+    budget: Budget,
+    last_heard: Instant,
+    /// The publisher has not fallen silent.
+    trusted: bool,
+    undecodable: u64,
+    /// When a line about dropped events was last written.
+    said: Said,
+}
+
+/// A line that is written at most once a minute.
+#[derive(Debug, Default)]
+struct Said(Option<Instant>);
+
+impl Said {
+    /// Whether the line may be written `now` (and it is taken to be).
+    fn due(&mut self, now: Instant) -> bool {
+        let due = self
+            .0
+            .is_none_or(|at| now.saturating_duration_since(at) >= Duration::from_secs(60));
+        if due {
+            self.0 = Some(now);
+        }
+        due
     }
 }
 
@@ -314,6 +566,97 @@ mod tests {
             schema_version: Some(1),
             ..Default::default()
         }
+    }
+
+    fn stored(blocks: usize) -> KvCacheEventData {
+        KvCacheEventData::Stored(dynamo_kv_router::protocols::KvCacheStoreData {
+            parent_hash: None,
+            start_position: None,
+            blocks: (0..blocks as u64)
+                .map(|h| dynamo_kv_router::protocols::KvCacheStoredBlockData {
+                    block_hash: dynamo_kv_router::protocols::ExternalSequenceBlockHash(h),
+                    tokens_hash: dynamo_kv_router::protocols::LocalBlockHash(h),
+                    mm_extra_info: None,
+                })
+                .collect(),
+        })
+    }
+
+    fn removed(blocks: u64) -> KvCacheEventData {
+        KvCacheEventData::Removed(dynamo_kv_router::protocols::KvCacheRemoveData {
+            block_hashes: (0..blocks)
+                .map(dynamo_kv_router::protocols::ExternalSequenceBlockHash)
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn a_rank_gets_its_burst_then_its_rate_and_after_drops_is_cleared_once_half_refilled() {
+        let t0 = Instant::now();
+        let mut b = Budget::new(u64::MAX, t0);
+        // The burst passes at once, one block over it does not.
+        for _ in 0..BURST_BLOCKS / 1_000 {
+            assert_eq!(b.admit(&mut stored(1_000), t0), Verdict::Pass { cut: 0 });
+        }
+        assert_eq!(b.admit(&mut stored(1), t0), Verdict::Dropped);
+        // Once dropping, nothing passes until the rank was cleared, and the
+        // clear waits for half a bucket, not the first refill.
+        let soon = t0 + Duration::from_millis(10);
+        assert_eq!(b.must_clear(soon), None);
+        assert_eq!(b.admit(&mut stored(1), soon), Verdict::Dropped);
+        let half =
+            t0 + Duration::from_secs_f64(BURST_BLOCKS as f64 / 2.0 / BLOCKS_PER_SECOND as f64);
+        assert_eq!(
+            b.must_clear(half),
+            Some(2),
+            "two dropped since the last clear"
+        );
+        b.cleared();
+        assert_eq!(b.must_clear(half), None);
+        assert_eq!(b.admit(&mut stored(1), half), Verdict::Pass { cut: 0 });
+        // A steady rate at the limit passes whole.
+        let mut b = Budget::new(u64::MAX, t0);
+        b.tokens = 0;
+        for ms in 1..=2_000u64 {
+            let at = t0 + Duration::from_millis(ms);
+            let per_ms = (BLOCKS_PER_SECOND / 1_000) as usize;
+            assert_eq!(
+                b.admit(&mut stored(per_ms), at),
+                Verdict::Pass { cut: 0 },
+                "{ms} ms"
+            );
+        }
+    }
+
+    #[test]
+    fn stored_blocks_are_credited_up_to_the_engines_total_and_removals_make_room() {
+        let t0 = Instant::now();
+        let mut b = Budget::new(1_024, t0);
+        let mut big = stored(20_000);
+        assert_eq!(
+            b.admit(&mut big, t0),
+            Verdict::Pass {
+                cut: 20_000 - 1_024
+            }
+        );
+        let KvCacheEventData::Stored(kept) = &big else {
+            unreachable!()
+        };
+        assert_eq!(kept.blocks.len(), 1_024, "the chain's beginning is kept");
+        assert_eq!(kept.blocks[0].block_hash.0, 0);
+        let mut full = stored(1);
+        assert_eq!(
+            b.admit(&mut full, t0),
+            Verdict::Pass { cut: 1 },
+            "nothing fits"
+        );
+        assert_eq!(b.admit(&mut removed(24), t0), Verdict::Pass { cut: 0 });
+        assert_eq!(b.admit(&mut stored(30), t0), Verdict::Pass { cut: 6 });
+        assert_eq!(
+            b.admit(&mut KvCacheEventData::Cleared, t0),
+            Verdict::Pass { cut: 0 }
+        );
+        assert_eq!(b.admit(&mut stored(1_024), t0), Verdict::Pass { cut: 0 });
     }
 
     #[test]

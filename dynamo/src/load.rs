@@ -32,7 +32,30 @@ const TOO_OLD: Duration = Duration::from_secs(5);
 /// A load sample this far in the future is not published either.
 const TOO_NEW: Duration = Duration::from_secs(1);
 
-/// What the engine's `GetServerInfo` says about its KV cache and ranks.
+/// The largest KV block the worker registers, in tokens. Engines use 1 to 256
+/// (SGLang's page size 1, vLLM's and TensorRT-LLM's 16 to 128); Dynamo's KV
+/// router sizes its per-request work by the block size, and one engine
+/// reporting 4,294,967,295 made the frontend allocate 16 GiB and abort.
+pub const MAX_KV_BLOCK_SIZE: u32 = 4_096;
+
+/// The largest KV cache the worker registers, in tokens (blocks × block
+/// size): 2^36, some 400 times what 141 GB of H200 memory holds for a model
+/// with one byte of KV state per token.
+pub const MAX_KV_TOKENS: u64 = 1 << 36;
+
+/// The most data-parallel ranks one worker speaks for. The widest deployments
+/// run a few hundred attention-DP ranks; the worker keeps one load entry and
+/// one KV relay per rank, so the size bounds what it allocates.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1_024;
+
+/// The highest data-parallel rank a worker may name (start rank + size − 1).
+pub const MAX_DATA_PARALLEL_RANK: u32 = 65_535;
+
+/// The largest `max_running_requests` / `max_batched_tokens` registered.
+pub const MAX_SCHEDULER_LIMIT: u64 = 1 << 32;
+
+/// What the engine's `GetServerInfo` says about its KV cache and ranks,
+/// checked: every value here is within the bounds above.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Capacity {
     pub kv_block_size: Option<u32>,
@@ -46,34 +69,134 @@ pub struct Capacity {
     pub kv_event_heartbeat: Option<Duration>,
 }
 
+/// What `GetServerInfo` reported, as it came: input to check, not to trust.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reported {
+    pub kv_block_size: Option<u32>,
+    pub total_kv_blocks: Option<u64>,
+    pub max_running_requests: Option<u64>,
+    pub max_batched_tokens: Option<u64>,
+    pub data_parallel_size: Option<u32>,
+    pub data_parallel_start_rank: Option<u32>,
+    pub kv_event_heartbeat: Option<Duration>,
+}
+
+/// Why the engine's report cannot be registered at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unregistrable {
+    /// The data-parallel ranks are out of bounds: which ranks this worker
+    /// serves decides every load entry and KV relay, so there is no safe
+    /// default to register instead.
+    #[error(
+        "the engine reports data-parallel size {size} from start rank {start} \
+         (GetServerInfo parallelism): a worker serves 1 to {MAX_DATA_PARALLEL_SIZE} ranks, \
+         none above {MAX_DATA_PARALLEL_RANK}; not registered until the engine reports \
+         ranks within them"
+    )]
+    Ranks {
+        /// The reported size.
+        size: u64,
+        /// The reported start rank.
+        start: u64,
+    },
+}
+
+impl Reported {
+    /// The capacity to register, with one line for each value left out for
+    /// being out of bounds; an error where the ranks themselves are.
+    pub fn check(self) -> Result<(Capacity, Vec<String>), Unregistrable> {
+        let size = self.data_parallel_size.filter(|s| *s > 0).unwrap_or(1);
+        let start = self.data_parallel_start_rank.unwrap_or(0);
+        let last = u64::from(start) + u64::from(size) - 1;
+        if size > MAX_DATA_PARALLEL_SIZE || last > u64::from(MAX_DATA_PARALLEL_RANK) {
+            return Err(Unregistrable::Ranks {
+                size: size.into(),
+                start: start.into(),
+            });
+        }
+        let mut left_out = Vec::new();
+        // Zero is "not reported" (older servers fill the field with it).
+        let mut block = self.kv_block_size.filter(|b| *b > 0);
+        let mut total = self.total_kv_blocks.filter(|t| *t > 0);
+        if let Some(b) = block.filter(|b| *b > MAX_KV_BLOCK_SIZE) {
+            left_out.push(format!(
+                "the engine reports a KV block size of {b} tokens (GetServerInfo capacity), \
+                 above {MAX_KV_BLOCK_SIZE}"
+            ));
+        } else if let (Some(b), Some(t)) = (block, total)
+            && u64::from(b).saturating_mul(t) > MAX_KV_TOKENS
+        {
+            left_out.push(format!(
+                "the engine reports {t} KV blocks of {b} tokens (GetServerInfo capacity), \
+                 more than {MAX_KV_TOKENS} tokens of cache"
+            ));
+        }
+        if !left_out.is_empty() {
+            // A total without its block size (or the reverse) places nothing.
+            (block, total) = (None, None);
+            left_out[0].push_str(
+                ": registered without a KV block size and total, as for an engine that \
+                 reports none; Dynamo's KV router routes this worker as one it knows nothing \
+                 about, and no load or KV events are relayed",
+            );
+        }
+        let mut limit = |name: &str, value: Option<u64>| match value {
+            Some(v) if v > MAX_SCHEDULER_LIMIT => {
+                left_out.push(format!(
+                    "the engine reports {name} {v} (GetServerInfo capacity), above \
+                     {MAX_SCHEDULER_LIMIT}: registered without it"
+                ));
+                None
+            }
+            Some(0) => None,
+            v => v,
+        };
+        let max_running_requests = limit("max_running_requests", self.max_running_requests);
+        let max_batched_tokens = limit("max_batched_tokens", self.max_batched_tokens);
+        Ok((
+            Capacity {
+                kv_block_size: block,
+                total_kv_blocks: total,
+                max_running_requests,
+                max_batched_tokens,
+                data_parallel_size: size,
+                data_parallel_start_rank: start,
+                kv_event_heartbeat: self.kv_event_heartbeat,
+            },
+            left_out,
+        ))
+    }
+}
+
 impl Capacity {
     /// The ranks this worker publishes load for: none unless the engine
     /// reported a block size and a total (a load the router cannot size is
-    /// no signal).
+    /// no signal). At most [`MAX_DATA_PARALLEL_SIZE`], by [`Reported::check`].
     pub fn ranks(&self) -> Vec<u32> {
         if self.kv_block_size.is_none() || self.total_kv_blocks.is_none() {
             return Vec::new();
         }
         let start = self.data_parallel_start_rank;
-        (start..start.saturating_add(self.data_parallel_size.max(1))).collect()
+        let size = self.data_parallel_size.clamp(1, MAX_DATA_PARALLEL_SIZE);
+        (start..start.saturating_add(size)).collect()
     }
 }
 
-/// Reads the engine's capacity.
-pub async fn read_capacity(channel: Channel) -> Result<Capacity, tonic::Status> {
+/// Reads what the engine reports of its capacity (unchecked).
+pub async fn read_capacity(channel: Channel) -> Result<Reported, tonic::Status> {
     let info = ControlClient::new(channel)
         .get_server_info(GetServerInfoRequest {})
         .await?
         .into_inner();
     let capacity = info.capacity.unwrap_or_default();
     let parallelism = info.parallelism.unwrap_or_default();
-    Ok(Capacity {
-        kv_block_size: capacity.kv_block_size.filter(|b| *b > 0),
-        total_kv_blocks: capacity.total_kv_blocks.filter(|t| *t > 0),
+    Ok(Reported {
+        kv_block_size: capacity.kv_block_size,
+        total_kv_blocks: capacity.total_kv_blocks,
         max_running_requests: capacity.max_running_requests,
         max_batched_tokens: capacity.max_batched_tokens,
-        data_parallel_size: parallelism.data_parallel_size.unwrap_or(1).max(1),
-        data_parallel_start_rank: parallelism.data_parallel_start_rank.unwrap_or(0),
+        data_parallel_size: parallelism.data_parallel_size,
+        data_parallel_start_rank: parallelism.data_parallel_start_rank,
         kv_event_heartbeat: info.extra.as_ref().and_then(heartbeat_interval),
     })
 }
@@ -242,6 +365,82 @@ mod tests {
         assert!(!fresh(at(994), now));
         assert!(fresh(at(1_001), now));
         assert!(!fresh(at(1_002), now));
+    }
+
+    #[test]
+    fn values_out_of_bounds_are_left_out_each_with_a_line_and_absurd_ranks_refuse_registration() {
+        let sane = Reported {
+            kv_block_size: Some(32),
+            total_kv_blocks: Some(8192),
+            max_running_requests: Some(256),
+            data_parallel_size: Some(2),
+            data_parallel_start_rank: Some(4),
+            ..Default::default()
+        };
+        let (c, lines) = sane.check().expect("sane");
+        assert!(lines.is_empty(), "{lines:?}");
+        assert_eq!(
+            (c.kv_block_size, c.total_kv_blocks, c.ranks()),
+            (Some(32), Some(8192), vec![4, 5])
+        );
+        for (block, total, why) in [
+            (u32::MAX, 8192, "block size of 4294967295"),
+            (4_097, 1, "block size of 4097"),
+            (4_096, 1 << 25, "more than 68719476736 tokens"),
+        ] {
+            let (c, lines) = Reported {
+                kv_block_size: Some(block),
+                total_kv_blocks: Some(total),
+                ..sane
+            }
+            .check()
+            .expect("registrable");
+            assert_eq!((c.kv_block_size, c.total_kv_blocks), (None, None), "{why}");
+            assert!(c.ranks().is_empty(), "no load without a block size");
+            assert_eq!(lines.len(), 1, "{lines:?}");
+            assert!(
+                lines[0].contains(why) && lines[0].contains("without"),
+                "{lines:?}"
+            );
+        }
+        let (c, lines) = Reported {
+            max_batched_tokens: Some(u64::MAX),
+            ..sane
+        }
+        .check()
+        .expect("registrable");
+        assert_eq!((c.max_batched_tokens, c.kv_block_size), (None, Some(32)));
+        assert!(lines[0].contains("max_batched_tokens 18446744073709551615"));
+        for (size, start) in [
+            (u32::MAX, 0),
+            (1_000_000, 0),
+            (1_025, 0),
+            (1, u32::MAX),
+            (2, 65_535),
+        ] {
+            let got = Reported {
+                data_parallel_size: Some(size),
+                data_parallel_start_rank: Some(start),
+                ..sane
+            }
+            .check();
+            assert_eq!(
+                got,
+                Err(Unregistrable::Ranks {
+                    size: size.into(),
+                    start: start.into()
+                })
+            );
+        }
+        let widest = Reported {
+            data_parallel_size: Some(1_024),
+            data_parallel_start_rank: Some(64_512),
+            ..sane
+        };
+        assert_eq!(
+            widest.check().expect("at the bounds").0.ranks().len(),
+            1_024
+        );
     }
 
     #[test]

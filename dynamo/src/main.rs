@@ -26,7 +26,7 @@ use std::time::Duration;
 use clap::Parser;
 use dynamo_backend_common::WorkerConfig;
 use dynamo_runtime::{DistributedRuntime, Runtime};
-use llm_sidecar_io::process::{init_logging, runtime, shutdown_signals};
+use llm_sidecar_io::process::{Throttle, init_logging_throttled, runtime, shutdown_signals};
 use llm_sidecar_io::{Front, engine};
 
 use crate::args::{Args, Settings};
@@ -64,9 +64,22 @@ fn run() -> i32 {
             return EXIT_USAGE;
         }
     };
-    init_logging(settings.json_logs);
-    runtime(Some(settings.worker_threads)).block_on(serve(settings))
+    let accept_failures = Throttle::new(ACCEPT_TARGET, ACCEPT_FAILED, ACCEPT_LOG_EVERY);
+    init_logging_throttled(settings.json_logs, vec![accept_failures.clone()]);
+    if let Some(limit) = llm_sidecar_io::net::raise_open_file_limit() {
+        tracing::debug!("open-file limit {limit}");
+    }
+    runtime(Some(settings.worker_threads)).block_on(serve(settings, accept_failures))
 }
+
+/// Where Dynamo 1.6.1's request-plane server says an accept failed, and how
+/// it says it. It retries at once, so with its file descriptors used up it
+/// writes the line as fast as the CPU allows (0.9 GB of log in 15 s).
+const ACCEPT_TARGET: &str = "dynamo_runtime::pipeline::network::ingress::shared_tcp_endpoint";
+const ACCEPT_FAILED: &str = "Failed to accept TCP connection";
+
+/// At most one such line per this long; `/metrics` counts them all.
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// The worker's settings for Dynamo, from Dynamo's own flags.
 fn worker_config(s: &Settings) -> WorkerConfig {
@@ -88,7 +101,7 @@ fn worker_config(s: &Settings) -> WorkerConfig {
     }
 }
 
-async fn serve(settings: Settings) -> i32 {
+async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
     let timings = settings.run.timings.clone();
     let channel_settings = timings.engine_channel();
     let channels: Result<Vec<_>, _> = (0..settings.run.limits.engine_connections)
@@ -130,7 +143,14 @@ async fn serve(settings: Settings) -> i32 {
             return EXIT_USAGE;
         }
     };
-    registry.set_calls(started.calls());
+    let calls = started.calls();
+    calls.expose_counter(
+        "llm_sidecar_dynamo_accept_failures",
+        "Connections Dynamo's request-plane server failed to accept (out of file descriptors, \
+         most often); its log line is written at most once every 10 s.",
+        accept_failures.count.clone(),
+    );
+    registry.set_calls(calls);
     let code = started.drive().await;
     tokio::time::sleep(RESPONSE_FLUSH).await;
     // Dynamo's teardown: stop its request plane, delete what this process

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 use crate::bridge::{Bridge, Served};
+use crate::load::{self, Capacity};
 use crate::own_channels;
 
 /// How often discovery is read back while a write settles.
@@ -31,6 +32,11 @@ const SETTLE_POLL: Duration = Duration::from_millis(20);
 
 /// How often a registered worker's records are looked for.
 const WATCH_POLL: Duration = Duration::from_secs(1);
+
+/// The longest context registered, in tokens (2^26, some 64 million: six
+/// times the longest context any model offers today). An engine reporting
+/// more is taken to report nonsense.
+pub const MAX_CONTEXT_LENGTH: u32 = 1 << 26;
 
 /// This worker's records in Dynamo's discovery.
 struct Ours {
@@ -65,6 +71,10 @@ struct Running {
     worker: JoinHandle<Result<(), String>>,
     /// Stops the watch on the records.
     watch: CancellationToken,
+    /// Its records were confirmed in discovery once: a later `register` is
+    /// a re-registration after they left, which this worker cannot do (it
+    /// believes itself registered), so a fresh one replaces it.
+    confirmed: bool,
 }
 
 /// Dynamo's discovery, written through Dynamo's `Worker`.
@@ -118,11 +128,24 @@ impl DynamoRegistry {
     }
 
     /// The context length to register: the flag's, else the engine's; a
-    /// disagreement is said.
+    /// disagreement is said, and so is an engine's length out of bounds
+    /// (none is registered then: the frontend's own default applies).
     fn context_length(&self, record: &Record) -> Option<u32> {
-        let engine = u32::try_from(record.model.max_seq_len)
+        let reported = record.model.max_seq_len;
+        let engine = u32::try_from(reported)
             .ok()
-            .filter(|c| *c > 0);
+            .filter(|c| *c > 0 && *c <= MAX_CONTEXT_LENGTH);
+        if engine.is_none() && reported > i64::from(MAX_CONTEXT_LENGTH) {
+            tracing::warn!(
+                "the engine reports a context length of {reported} tokens (GetModelInfo), \
+                 above {MAX_CONTEXT_LENGTH}: registered without one{}",
+                if self.context_length.is_some() {
+                    ""
+                } else {
+                    " (--context-length sets one)"
+                }
+            );
+        }
         match (self.context_length, engine) {
             (Some(flag), Some(engine)) if flag != engine => {
                 tracing::warn!(
@@ -136,8 +159,69 @@ impl DynamoRegistry {
         }
     }
 
+    /// What the engine reports of its KV cache and ranks, checked: each value
+    /// out of bounds is left out with one line; ranks out of bounds refuse
+    /// the registration (retried, in case the engine is restarted with sane
+    /// settings, until the phase's deadline).
+    async fn checked_capacity(&self) -> Result<Capacity, DiscoveryError> {
+        let reported = load::read_capacity(self.channels[0].clone())
+            .await
+            .map_err(|status| DiscoveryError::Io {
+                path: "the engine's GetServerInfo".into(),
+                source: std::io::Error::other(format!("{}: {}", status.code(), status.message())),
+            })?;
+        let (capacity, left_out) = reported
+            .check()
+            .map_err(|e| DiscoveryError::Refused(e.to_string()))?;
+        for line in left_out {
+            tracing::warn!("{line}");
+        }
+        Ok(capacity)
+    }
+
+    /// Stops a worker whose records left discovery, and waits until it has
+    /// ended (Dynamo's worker sleeps its own grace first), so the next one
+    /// serves the endpoint alone.
+    async fn retire_unregistered_worker(&self) {
+        let retiring = {
+            let running = self.running();
+            match running.as_ref() {
+                Some(r) if r.confirmed => {
+                    r.watch.cancel();
+                    r.shutdown.cancel();
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !retiring {
+            return;
+        }
+        tracing::info!(
+            "restarting Dynamo's worker to write this worker's records again (it cannot \
+             rewrite records it believes written)"
+        );
+        loop {
+            let ended = {
+                let mut running = self.running();
+                if running.as_ref().is_some_and(|r| r.worker.is_finished()) {
+                    running.take()
+                } else {
+                    None
+                }
+            };
+            if let Some(ended) = ended {
+                if let Ok(Err(e)) = ended.worker.await {
+                    tracing::debug!("the replaced Dynamo worker ended with: {e}");
+                }
+                return;
+            }
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
+    }
+
     /// Starts Dynamo's worker for this registration.
-    fn start_worker(&self, record: &Record, calls: HostedCalls) -> Running {
+    fn start_worker(&self, record: &Record, calls: HostedCalls, capacity: Capacity) -> Running {
         let served = Served {
             name: self.worker.model_name.clone(),
             engine_model: record.model.name.clone(),
@@ -148,6 +232,7 @@ impl DynamoRegistry {
             self.channels.clone(),
             calls,
             served,
+            capacity,
             shutdown.clone(),
         ));
         let worker = Worker::new(bridge, self.worker.clone());
@@ -163,6 +248,7 @@ impl DynamoRegistry {
             shutdown,
             worker,
             watch: CancellationToken::new(),
+            confirmed: false,
         }
     }
 }
@@ -298,17 +384,24 @@ impl Discovery for DynamoRegistry {
                 "the request plane is not ready yet".into(),
             ));
         };
-        // A worker from an attempt that timed out may still be coming up; a
-        // finished one is replaced.
-        {
+        // A worker whose records left discovery is replaced; one from an
+        // attempt that timed out may still be coming up; a finished one is
+        // replaced.
+        self.retire_unregistered_worker().await;
+        let start = {
             let mut running = self.running();
             if running.as_ref().is_some_and(|r| r.worker.is_finished())
                 && let Some(old) = running.take()
             {
                 old.watch.cancel();
             }
+            running.is_none()
+        };
+        if start {
+            let capacity = self.checked_capacity().await?;
+            let mut running = self.running();
             if running.is_none() {
-                *running = Some(self.start_worker(record, calls));
+                *running = Some(self.start_worker(record, calls, capacity));
             }
         }
         loop {
@@ -335,7 +428,8 @@ impl Discovery for DynamoRegistry {
             }
             tokio::time::sleep(SETTLE_POLL).await;
         }
-        if let Some(running) = self.running().as_ref() {
+        if let Some(running) = self.running().as_mut() {
+            running.confirmed = true;
             watch(
                 self.drt.clone(),
                 self.worker.clone(),

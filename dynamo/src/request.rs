@@ -113,13 +113,23 @@ pub fn generate_request(
     let stop = &request.stop_conditions;
     let sampling = &request.sampling_options;
     let prompt_len = u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX);
+    // A prompt that fills the context leaves no room for one token: the
+    // engine could only fail it (or, asked for one token, cut it), so it is
+    // refused here, naming both lengths.
+    if let Some(context) = served.context_length
+        && prompt_len >= context
+    {
+        return Err(refuse(format!(
+            "the prompt has {} tokens and the model's context length is {context}: \
+             no room for a generated token",
+            request.token_ids.len()
+        )));
+    }
     // A request without max_tokens gets what the context leaves, as Dynamo's
     // sidecar does; without a context length, the engine's default.
-    let max_tokens = stop.max_tokens.or_else(|| {
-        served
-            .context_length
-            .map(|c| c.saturating_sub(prompt_len).max(1))
-    });
+    let max_tokens = stop
+        .max_tokens
+        .or_else(|| served.context_length.map(|c| c.saturating_sub(prompt_len)));
     let texts = stop
         .stop
         .iter()
@@ -567,6 +577,34 @@ mod tests {
         assert_eq!(stop.ignore_eos, Some(true));
         assert!(stop.conditions.is_empty(), "{:?}", stop.conditions);
         assert_eq!(stop.max_tokens, Some(97), "context 100 less a prompt of 3");
+    }
+
+    #[test]
+    fn a_prompt_that_fills_the_context_is_refused_naming_both_lengths_with_or_without_max_tokens() {
+        for len in [100usize, 101, 4_000] {
+            let ids: Vec<u32> = (0..len as u32).map(|i| 3 + i % 100).collect();
+            for max_tokens in [None, Some(1)] {
+                let mut r = request(&ids);
+                r.stop_conditions.max_tokens = max_tokens;
+                let e = generate_request("id", &r, &served(), &mock_caps())
+                    .expect_err("no room for a token");
+                assert_eq!(
+                    e.error_type(),
+                    ErrorType::Backend(BackendError::InvalidArgument)
+                );
+                assert!(
+                    e.to_string().contains(&format!("{len} tokens"))
+                        && e.to_string().contains("context length is 100"),
+                    "{e}"
+                );
+            }
+        }
+        let (g, _) = mapped(&request(&[5; 99]), &mock_caps());
+        assert_eq!(
+            g.stopping.expect("stopping").max_tokens,
+            Some(1),
+            "one left"
+        );
     }
 
     #[test]

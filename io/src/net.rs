@@ -53,3 +53,17 @@ pub fn room_for_connections(connections: u32) -> u32 {
         }
     }
 }
+
+/// Raises the soft limit on open files to the hard limit, for a process whose
+/// sockets another crate accepts without a bound of its own (Dynamo's request
+/// plane): the most connections it can hold before accepts fail. Returns the
+/// limit now, or `None` (said once) when it cannot be read or raised.
+pub fn raise_open_file_limit() -> Option<u64> {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(soft) => Some(soft),
+        Err(e) => {
+            tracing::warn!("cannot read or raise the open-file limit: {e}");
+            None
+        }
+    }
+}

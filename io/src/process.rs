@@ -11,18 +11,110 @@ pub const EXIT_RUNTIME: i32 = 71;
 /// Sets up tracing to stderr, one JSON object per line when `json`;
 /// `RUST_LOG` overrides the default `info`.
 pub fn init_logging(json: bool) {
+    init_logging_throttled(json, Vec::new());
+}
+
+/// As [`init_logging`], with lines that a library may write in a storm
+/// (another crate's accept loop failing for want of file descriptors) held to
+/// one per interval each, every one of them counted.
+pub fn init_logging_throttled(json: bool, throttles: Vec<Throttle>) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new("info,h2=warn,hyper=warn,tower=warn")
     });
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false);
+    let registry = tracing_subscriber::registry()
+        .with(filter)
+        .with(Throttles(throttles));
     if json {
-        builder.json().flatten_event(true).init();
+        registry.with(fmt.json().flatten_event(true)).init();
     } else {
-        builder.init();
+        registry.with(fmt).init();
+    }
+}
+
+/// A kind of log line written at most once per `every`; each occurrence is
+/// counted in `count`, written or not.
+#[derive(Debug, Clone)]
+pub struct Throttle {
+    /// The event's target (its module path).
+    pub target: &'static str,
+    /// How its message begins.
+    pub message: &'static str,
+    /// At most one such line per this long.
+    pub every: std::time::Duration,
+    /// Every occurrence.
+    pub count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// When one was last written.
+    last: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
+
+impl Throttle {
+    /// Lines from `target` whose message begins with `message`, one per `every`.
+    pub fn new(target: &'static str, message: &'static str, every: std::time::Duration) -> Self {
+        Throttle {
+            target,
+            message,
+            every,
+            count: Default::default(),
+            last: Default::default(),
+        }
+    }
+
+    /// Whether this occurrence is written (each is counted).
+    fn let_through(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.count.fetch_add(1, Relaxed);
+        let now = std::time::Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let due = last.is_none_or(|at| now.saturating_duration_since(at) >= self.every);
+        if due {
+            *last = Some(now);
+        }
+        due
+    }
+}
+
+/// The layer that applies [`Throttle`]s.
+struct Throttles(Vec<Throttle>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Throttles {
+    fn event_enabled(
+        &self,
+        event: &tracing::Event<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        let target = event.metadata().target();
+        if !self.0.iter().any(|t| t.target == target) {
+            return true;
+        }
+        let mut message = MessageStart(String::new());
+        event.record(&mut message);
+        self.0
+            .iter()
+            .filter(|t| t.target == target && message.0.starts_with(t.message))
+            .all(Throttle::let_through)
+    }
+}
+
+/// The `message` field of an event, as text.
+struct MessageStart(String);
+
+impl tracing::field::Visit for MessageStart {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "message" {
+            self.0 = value.to_string();
+        }
     }
 }
 
@@ -142,4 +234,46 @@ pub fn shutdown_signals() -> mpsc::UnboundedReceiver<()> {
         });
     }
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::Duration;
+
+    use tracing_subscriber::layer::SubscriberExt;
+
+    use super::*;
+
+    /// Counts the events that reach the layer below the throttles.
+    #[derive(Clone, Default)]
+    struct Written(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Written {
+        fn on_event(&self, _: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            self.0.fetch_add(1, Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_throttled_line_is_written_once_per_interval_and_every_one_is_counted() {
+        let throttle = Throttle::new(module_path!(), "accept failed", Duration::from_secs(3600));
+        let written = Written::default();
+        let subscriber = tracing_subscriber::registry()
+            .with(Throttles(vec![throttle.clone()]))
+            .with(written.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            for e in 0..1_000 {
+                tracing::error!("accept failed: Too many open files ({e})");
+            }
+            tracing::error!("another line");
+            tracing::warn!(target: "elsewhere", "accept failed: not ours");
+        });
+        assert_eq!(throttle.count.load(Relaxed), 1_000);
+        assert_eq!(
+            written.0.load(Relaxed),
+            3,
+            "one of the storm, and the other two"
+        );
+    }
 }

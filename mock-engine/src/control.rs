@@ -151,7 +151,27 @@ fn route(state: &State, req: &Request) -> Response {
                 events.set_silent(publish == "off");
                 Response::text(200, format!("KV events and heartbeats: {publish}\n"))
             }
+            (Some(events), None) => {
+                if let Some(ms) = req.param("flood_ms").and_then(|m| m.parse().ok()) {
+                    events.flood(Duration::from_millis(ms));
+                    Response::text(200, format!("flooding KV events for {ms} ms\n"))
+                } else if let Some(blocks) = req.param("store_unheld").and_then(|b| b.parse().ok())
+                {
+                    events.store_unheld(blocks);
+                    Response::text(200, format!("one event storing {blocks} blocks\n"))
+                } else {
+                    Response::text(400, "publish=on|off, flood_ms=N or store_unheld=N\n")
+                }
+            }
             (Some(_), _) => Response::text(400, "publish: on or off\n"),
+        },
+        "/server-info" => match server_info(req) {
+            Ok(reported) => {
+                let said = format!("GetServerInfo now reports {reported:?}\n");
+                *lock(&state.server_info) = reported;
+                Response::text(200, said)
+            }
+            Err(e) => Response::text(400, format!("{e}\n")),
         },
         "/stop" => {
             let grace = req
@@ -195,6 +215,29 @@ fn route(state: &State, req: &Request) -> Response {
 }
 
 /// The fault `/fault` asks for.
+/// `/server-info?kv_block_size=&total_kv_blocks=&data_parallel_size=&data_parallel_start_rank=`:
+/// what GetServerInfo reports from now on (each value not given: the mock's own).
+fn server_info(req: &Request) -> Result<crate::ReportedInfo, String> {
+    fn number<T: std::str::FromStr>(req: &Request, name: &str, default: T) -> Result<T, String> {
+        match req.param(name).map(str::parse::<T>) {
+            None => Ok(default),
+            Some(Ok(v)) => Ok(v),
+            Some(Err(_)) => Err(format!("{name}: an unsigned number")),
+        }
+    }
+    let mine = crate::ReportedInfo::default();
+    Ok(crate::ReportedInfo {
+        kv_block_size: number(req, "kv_block_size", mine.kv_block_size)?,
+        total_kv_blocks: number(req, "total_kv_blocks", mine.total_kv_blocks)?,
+        data_parallel_size: number(req, "data_parallel_size", mine.data_parallel_size)?,
+        data_parallel_start_rank: number(
+            req,
+            "data_parallel_start_rank",
+            mine.data_parallel_start_rank,
+        )?,
+    })
+}
+
 fn fault(req: &Request) -> Result<Fault, String> {
     let at = match req.param("at").map(str::parse::<u32>) {
         None => 0,

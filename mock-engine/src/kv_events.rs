@@ -214,6 +214,49 @@ impl KvEvents {
         lock(&self.cache).held.len()
     }
 
+    /// Publishes for `length` as fast as subscribers take it (a publisher
+    /// gone wrong): batches of 1,024 events, each storing one new block or
+    /// removing the one stored before it. Returns at once.
+    pub(crate) fn flood(self: &Arc<Self>, length: Duration) {
+        let events = self.clone();
+        tokio::spawn(async move {
+            let until = tokio::time::Instant::now() + length;
+            let tokens: Vec<u32> = (0..events.block_size).map(|t| 3 + t % 1000).collect();
+            let mut hash: u64 = 1 << 40;
+            while tokio::time::Instant::now() < until {
+                let batch: Vec<Event> = (0..512)
+                    .flat_map(|_| {
+                        hash += 1;
+                        [
+                            Event::Stored {
+                                hashes: vec![hash],
+                                parent: None,
+                                tokens: tokens.clone(),
+                            },
+                            Event::Removed { hashes: vec![hash] },
+                        ]
+                    })
+                    .collect();
+                events.publish(&batch);
+                tokio::task::yield_now().await;
+            }
+        });
+    }
+
+    /// Publishes one event storing `blocks` new blocks in one chain, whatever
+    /// the cache holds (an engine that reports more than it has).
+    pub(crate) fn store_unheld(&self, blocks: u32) {
+        let tokens: Vec<u32> = (0..blocks * self.block_size)
+            .map(|t| 3 + t % 1000)
+            .collect();
+        let hashes: Vec<u64> = (0..u64::from(blocks)).map(|i| (1 << 50) + i).collect();
+        self.publish(&[Event::Stored {
+            hashes,
+            parent: None,
+            tokens,
+        }]);
+    }
+
     fn publish(&self, events: &[Event]) {
         if self.is_silent() {
             return;

@@ -233,6 +233,29 @@ pub(crate) struct State {
     pub(crate) fault: Mutex<Option<Fault>>,
     /// The KV-cache event publisher (OpenEngine only, unless turned off).
     pub(crate) kv_events: Option<Arc<kv_events::KvEvents>>,
+    /// What OpenEngine's GetServerInfo reports of the KV cache and ranks
+    /// (`/server-info` sets it, to play an engine that reports nonsense).
+    pub(crate) server_info: Mutex<ReportedInfo>,
+}
+
+/// The capacity and parallelism OpenEngine's GetServerInfo reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReportedInfo {
+    pub(crate) kv_block_size: u32,
+    pub(crate) total_kv_blocks: u64,
+    pub(crate) data_parallel_size: u32,
+    pub(crate) data_parallel_start_rank: u32,
+}
+
+impl Default for ReportedInfo {
+    fn default() -> Self {
+        ReportedInfo {
+            kv_block_size: KV_BLOCK_SIZE,
+            total_kv_blocks: TOTAL_KV_BLOCKS,
+            data_parallel_size: 1,
+            data_parallel_start_rank: 0,
+        }
+    }
 }
 
 /// The mock's KV cache as OpenEngine reports it: a fixed block size and
@@ -434,6 +457,7 @@ pub async fn run(
         }),
         fault: Mutex::new(None),
         kv_events,
+        server_info: Mutex::new(ReportedInfo::default()),
     });
 
     let control_cancel = CancellationToken::new();

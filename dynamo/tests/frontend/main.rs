@@ -5,6 +5,7 @@
 
 #[path = "../../../bin/tests/process/support/etcd.rs"]
 mod etcd;
+mod hardening;
 mod kv;
 #[path = "../../../bin/tests/process/support/proc.rs"]
 mod proc;

@@ -484,6 +484,20 @@ impl Worker {
         extra: &[&str],
         env: &[(&str, String)],
     ) -> Self {
+        Self::start_under(&[], dir, store, engine, model, extra, env)
+    }
+
+    /// As [`Worker::start_with_env`], run by the command `under` (see
+    /// [`Worker::spawn_under`]).
+    pub fn start_under(
+        under: &[&str],
+        dir: &Path,
+        store: &Store,
+        engine: &Engine,
+        model: &Path,
+        extra: &[&str],
+        env: &[(&str, String)],
+    ) -> Self {
         let admin = free_addr();
         let mut args: Vec<String> = [
             "--admin-listen",
@@ -499,7 +513,7 @@ impl Worker {
         .map(|s| s.to_string())
         .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut w = Self::spawn(dir, store, engine, model, &args, env);
+        let mut w = Self::spawn_under(under, dir, store, engine, model, &args, env);
         w.admin = Some(admin);
         w
     }
@@ -515,25 +529,44 @@ impl Worker {
         args: &[String],
         env: &[(&str, String)],
     ) -> Self {
-        let mut all: Vec<String> = [
-            "--grpc-endpoint",
-            &engine.grpc.to_string(),
-            "--model-path",
-            model.to_str().expect("UTF-8 path"),
-            "--discovery-backend",
-            store.backend(),
-            "--request-plane",
-            "tcp",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        Self::spawn_under(&[], dir, store, engine, model, args, env)
+    }
+
+    /// As [`Worker::spawn`], run by the command `under` (its program and
+    /// arguments, the worker's command line after them: `prlimit --nofile=…`).
+    pub fn spawn_under(
+        under: &[&str],
+        dir: &Path,
+        store: &Store,
+        engine: &Engine,
+        model: &Path,
+        args: &[String],
+        env: &[(&str, String)],
+    ) -> Self {
+        let mut all: Vec<String> = under.iter().skip(1).map(|s| s.to_string()).collect();
+        if !under.is_empty() {
+            all.push(worker_binary().to_string());
+        }
+        all.extend(
+            [
+                "--grpc-endpoint",
+                &engine.grpc.to_string(),
+                "--model-path",
+                model.to_str().expect("UTF-8 path"),
+                "--discovery-backend",
+                store.backend(),
+                "--request-plane",
+                "tcp",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
         all.extend(args.iter().cloned());
         let mut vars = store.env();
         vars.extend(env.iter().map(|(k, v)| (*k, v.clone())));
         let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let proc = Proc::spawn_with_env(
-            worker_binary(),
+            under.first().copied().unwrap_or(worker_binary()),
             &all,
             &vars,
             dir.join(format!("worker-{}.log", engine.grpc.port())),

@@ -75,6 +75,8 @@ pub(crate) struct Snapshot {
     drain: Histogram,
     duration: [Histogram; CallOutcome::ALL.len()],
     first_message: [Histogram; CallOutcome::ALL.len()],
+    /// The host's own counters (name, help, value).
+    host: Vec<(&'static str, &'static str, u64)>,
 }
 
 impl Snapshot {
@@ -119,6 +121,7 @@ impl Snapshot {
             drain: status.times.drain.clone(),
             duration: calls.duration.clone(),
             first_message: calls.first_message.clone(),
+            host: calls.host.read(),
         }
     }
 
@@ -145,7 +148,11 @@ type Label = [(&'static str, &'static str); 1];
 impl Collector for Snapshot {
     fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         self.encode_lifecycle(&mut e)?;
-        self.encode_request_plane(&mut e)
+        self.encode_request_plane(&mut e)?;
+        for (name, help, value) in &self.host {
+            one(&mut e, name, help, ConstCounter::new(*value))?;
+        }
+        Ok(())
     }
 }
 
@@ -418,6 +425,34 @@ mod tests {
                 "missing {line:?} in:\n{text}"
             );
         }
+    }
+
+    #[test]
+    fn a_hosts_counters_follow_the_request_planes_once_each_with_their_values() {
+        let calls = CallCounters::default();
+        let events = calls.host.counter("host_events_dropped", "Dropped.", None);
+        let kept = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(7));
+        calls
+            .host
+            .counter("host_accept_failures", "Failed.", Some(kept.clone()));
+        let again = calls
+            .host
+            .counter("host_events_dropped", "Other help.", None);
+        events.fetch_add(2, Relaxed);
+        again.fetch_add(1, Relaxed);
+        kept.fetch_add(1, Relaxed);
+        let text = Snapshot::take(&Status::default(), &calls, 0, (0, 0)).render(Format::Prometheus);
+        let forwarded = text
+            .find("llm_sidecar_forwarded_bytes")
+            .expect("the plane's last");
+        let dropped = text.find("host_events_dropped_total 3").expect(&text);
+        assert!(forwarded < dropped, "after the request plane's families");
+        assert!(
+            text.contains("# HELP host_events_dropped_total Dropped."),
+            "{text}"
+        );
+        assert!(text.contains("host_accept_failures_total 8"), "{text}");
+        assert_eq!(text.matches("# TYPE host_events_dropped_total").count(), 1);
     }
 
     #[test]

@@ -184,6 +184,11 @@ pub enum DiscoveryError {
     /// The backend is not available in this build.
     #[error("{0}")]
     Unsupported(String),
+    /// The record was not written: what it would carry is unusable (an
+    /// engine's self-description out of bounds). Retried like any failed
+    /// write, in case the engine is restarted with sane settings.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// A discovery backend. Calls come one at a time, in order.

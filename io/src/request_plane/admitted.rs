@@ -90,4 +90,26 @@ impl HostedCalls {
     pub fn admit(&self) -> Option<Admitted> {
         Admitted::try_new(&self.plane)
     }
+
+    /// A counter of the host's own on the admin port's `/metrics` (family
+    /// `name`, which the page lists as `name_total`), added on first use; the
+    /// same counter for the same name.
+    pub fn counter(
+        &self,
+        name: &'static str,
+        help: &'static str,
+    ) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+        self.plane.counters.host.counter(name, help, None)
+    }
+
+    /// Lists a counter the host keeps itself (one made before the request
+    /// plane, such as a log throttle's) on `/metrics` as `name`.
+    pub fn expose_counter(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        value: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) {
+        self.plane.counters.host.counter(name, help, Some(value));
+    }
 }

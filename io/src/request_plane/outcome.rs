@@ -2,6 +2,7 @@
 //! histograms behind `/metrics` and the account logged at exit.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::metrics::histogram::Histogram;
@@ -113,6 +114,44 @@ pub(crate) struct CallCounters {
     /// Admitted calls' time from admission to the first response bytes passed
     /// on, indexed like [`CallOutcome::ALL`].
     pub(crate) first_message: [Histogram; CallOutcome::ALL.len()],
+    /// Counters a host of the request plane (the Dynamo worker) adds to
+    /// `/metrics`, listed after the request plane's own.
+    pub(crate) host: HostCounters,
+}
+
+/// One counter of a host: its family name (without `_total`), its help, its
+/// value.
+pub(crate) type HostCounter = (&'static str, &'static str, Arc<AtomicU64>);
+
+/// The counters a host added, in the order it added them.
+#[derive(Debug, Default)]
+pub(crate) struct HostCounters(Mutex<Vec<HostCounter>>);
+
+impl HostCounters {
+    /// The counter named `name`, added on first use (with `value`, else a
+    /// new one at 0).
+    pub(crate) fn counter(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        value: Option<Arc<AtomicU64>>,
+    ) -> Arc<AtomicU64> {
+        let mut all = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, _, value)) = all.iter().find(|(n, _, _)| *n == name) {
+            return value.clone();
+        }
+        let value = value.unwrap_or_default();
+        all.push((name, help, value.clone()));
+        value
+    }
+
+    /// Every counter's name, help and value now.
+    pub(crate) fn read(&self) -> Vec<(&'static str, &'static str, u64)> {
+        let all = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        all.iter()
+            .map(|(n, h, v)| (*n, *h, v.load(Ordering::Relaxed)))
+            .collect()
+    }
 }
 
 impl Default for CallCounters {
@@ -128,6 +167,7 @@ impl Default for CallCounters {
             unanswered: Default::default(),
             duration: std::array::from_fn(|_| Histogram::new(CALL_SECONDS)),
             first_message: std::array::from_fn(|_| Histogram::new(FIRST_MESSAGE_SECONDS)),
+            host: HostCounters::default(),
         }
     }
 }

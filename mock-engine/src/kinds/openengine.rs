@@ -182,6 +182,7 @@ impl Control for OpenEngine {
     ) -> Result<Response<ServerInfo>, Status> {
         let s = &self.state;
         s.answer_server_info()?;
+        let reported = *lock(&s.server_info);
         Ok(Response::new(ServerInfo {
             engine_name: s.config.engine_name.clone(),
             engine_version: lock(&s.version).clone(),
@@ -194,13 +195,13 @@ impl Control for OpenEngine {
             parallelism: Some(ParallelismInfo {
                 tensor_parallel_size: Some(1),
                 pipeline_parallel_size: Some(1),
-                data_parallel_size: Some(1),
+                data_parallel_size: Some(reported.data_parallel_size),
                 data_parallel_rank: None,
-                data_parallel_start_rank: Some(0),
+                data_parallel_start_rank: Some(reported.data_parallel_start_rank),
             }),
             capacity: Some(DeploymentCapacity {
-                kv_block_size: Some(crate::KV_BLOCK_SIZE),
-                total_kv_blocks: Some(crate::TOTAL_KV_BLOCKS),
+                kv_block_size: Some(reported.kv_block_size),
+                total_kv_blocks: Some(reported.total_kv_blocks),
                 max_running_requests: None,
                 max_batched_tokens: None,
             }),
