@@ -26,6 +26,12 @@ pub struct Config {
     pub drain_timeout: Duration,
     /// What follows the withdrawal and drain after an engine loss.
     pub on_engine_loss: OnEngineLoss,
+    /// How long Serving may go on with its record gone from discovery (a
+    /// lease expired, the record removed) and every registration since
+    /// failed. Past it the worker leaves as after an engine loss (withdraw,
+    /// drain, exit 1): a worker no router can see serves no one, and its
+    /// supervisor should hear of it.
+    pub reregister_deadline: Duration,
 }
 
 /// What the worker does once an engine loss has been withdrawn and drained.

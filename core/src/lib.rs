@@ -45,4 +45,5 @@ pub use config::{Config, OnEngineLoss};
 pub use event::{Event, LivenessObservation};
 pub use lifecycle::{Lifecycle, Phase};
 pub use loss::LossReason;
+pub use machine::NOT_REGISTERED;
 pub use time::{HumanDuration, Time};

@@ -268,6 +268,7 @@ impl Lifecycle {
             // Only shown by `/state`; no decision reads it.
             since: _,
             discovery_failing,
+            unregistered,
         } = self.machine.inner();
         reads_startup_deadline
             .then(|| rel(*startup_deadline))
@@ -284,6 +285,11 @@ impl Lifecycle {
         in_flight.hash(&mut h);
         admission.hash(&mut h);
         discovery_failing.hash(&mut h);
+        // Set only while Serving (cleared on the way out).
+        unregistered
+            .as_ref()
+            .map(|(since, cause)| (rel(*since), cause))
+            .hash(&mut h);
         self.step.outbox.hash(&mut h);
         h.finish()
     }

@@ -56,11 +56,20 @@ pub enum LossReason {
         /// The identity answering now.
         new: String,
     },
+    /// Not the engine: the worker's record left discovery while it served and
+    /// could not be written again within the re-registration deadline. The
+    /// worker leaves as after a loss, so that its supervisor restarts it.
+    NotRegistered {
+        /// How long the record had been gone.
+        unregistered_for: Duration,
+        /// Why it went, as discovery said.
+        cause: String,
+    },
 }
 
 impl LossReason {
     /// Every metric label, in the order `/metrics` lists them.
-    pub const LABELS: [&'static str; 9] = [
+    pub const LABELS: [&'static str; 10] = [
         "liveness_status",
         "liveness_deregistered",
         "liveness_stream_ended",
@@ -70,6 +79,7 @@ impl LossReason {
         "identity_changed",
         "health_check_failed",
         "engine_connection_lost",
+        "not_registered",
     ];
 
     /// The `reason` label of `llm_sidecar_engine_losses_total`.
@@ -84,6 +94,7 @@ impl LossReason {
             LossReason::IdentityChanged { .. } => Self::LABELS[6],
             LossReason::HealthCheckFailed { .. } => Self::LABELS[7],
             LossReason::EngineConnectionLost { .. } => Self::LABELS[8],
+            LossReason::NotRegistered { .. } => Self::LABELS[9],
         }
     }
 }
@@ -132,6 +143,14 @@ impl fmt::Display for LossReason {
             LossReason::EngineConnectionLost { error } => {
                 write!(f, "engine connection lost: {error}")
             }
+            LossReason::NotRegistered {
+                unregistered_for,
+                cause,
+            } => write!(
+                f,
+                "not in discovery for {} ({cause}), and every registration since failed",
+                HumanDuration(*unregistered_for)
+            ),
         }
     }
 }
@@ -215,6 +234,14 @@ mod tests {
                 },
                 "engine connection lost: the engine closed the connection",
                 "engine_connection_lost",
+            ),
+            (
+                LossReason::NotRegistered {
+                    unregistered_for: Duration::from_secs(60),
+                    cause: "its lease expired".into(),
+                },
+                "not in discovery for 1m (its lease expired), and every registration since failed",
+                "not_registered",
             ),
         ];
         let mut labels = std::collections::BTreeSet::new();

@@ -22,6 +22,10 @@ use crate::liveness::{self, Verdict, WatchPhase};
 use crate::loss::LossReason;
 use crate::time::{HumanDuration, Time};
 
+/// The words of the ERROR line that says the worker leaves because its
+/// record could not be written again ("instance <id> <these words>: …").
+pub const NOT_REGISTERED: &str = "is not registered in discovery";
+
 /// What the machine reacts to (statig's event type; handlers must call their
 /// parameter `event`): an event from the world, or time reaching a deadline. The timer is internal: the world tells the core the time through
 /// `Lifecycle::handle_timeout` and never fires a timer of its own.
@@ -193,6 +197,9 @@ pub(crate) struct Worker {
     /// Discovery writes are failing: the first failure of a streak is warned
     /// about, the retries are not (one line per outage, not per attempt).
     pub(crate) discovery_failing: bool,
+    /// While Serving: when the record left discovery on its own, and why
+    /// (what discovery said), until a registration succeeds again.
+    pub(crate) unregistered: Option<(Time, String)>,
 }
 
 impl Worker {
@@ -215,6 +222,7 @@ impl Worker {
             admission: Admission::Closed,
             since: now,
             discovery_failing: false,
+            unregistered: None,
         }
     }
 
@@ -247,6 +255,7 @@ impl Worker {
         self.probe_failing = false;
         self.load_unsupported = false;
         self.discovery_failing = false;
+        self.unregistered = None;
         step.log(
             Level::Info,
             format!(
@@ -297,6 +306,7 @@ impl Worker {
             Event::Registered => {
                 if self.book.answer(Op::Register) {
                     self.book.maybe_present = true;
+                    self.unregistered = None;
                     self.discovery_recovered(step);
                 }
             }
@@ -349,6 +359,17 @@ impl Worker {
             );
         }
         self.arm_retry(step.now);
+    }
+
+    /// While Serving: the loss to leave with when the record has been gone
+    /// from discovery for the re-registration deadline.
+    fn unregistered_too_long(&self, now: Time) -> Option<LossReason> {
+        let (since, cause) = self.unregistered.as_ref()?;
+        let deadline = *since + self.config.reregister_deadline;
+        (deadline <= now && !self.book.maybe_present).then(|| LossReason::NotRegistered {
+            unregistered_for: now - *since,
+            cause: cause.clone(),
+        })
     }
 
     /// A discovery write succeeded after failures: say so once.
@@ -644,6 +665,9 @@ impl Worker {
         }
         let happened = match event {
             Input::Timer => {
+                if let Some(reason) = self.unregistered_too_long(now) {
+                    return Transition(State::lost(reason, now + self.config.drain_timeout, false));
+                }
                 if self.retry_due(now)
                     && !self.book.maybe_present
                     && self.book.outstanding.is_empty()
@@ -657,6 +681,9 @@ impl Worker {
         match happened {
             Event::Registered => Handled,
             Event::RegistrationLost { cause } => {
+                if self.unregistered.is_none() {
+                    self.unregistered = Some((now, cause.clone()));
+                }
                 context.log(
                     Level::Warn,
                     format!(
@@ -851,6 +878,7 @@ impl Worker {
         let now = context.now;
         self.since = now;
         self.retry_at = None;
+        self.unregistered = None;
         self.last_fresh = now;
         self.watch = WatchPhase::AwaitingFirst;
         context.log(
@@ -864,6 +892,7 @@ impl Worker {
 
     #[action]
     fn exit_serving(&mut self, context: &mut Step) {
+        self.unregistered = None;
         context.emit(Action::SetHealth(Health::NotServing));
     }
 
@@ -895,14 +924,21 @@ impl Worker {
         let now = context.now;
         self.since = now;
         self.retry_at = None;
-        context.log(
-            Level::Error,
+        // NotRegistered: the engine is fine; the worker is invisible.
+        let line = if matches!(reason, LossReason::NotRegistered { .. }) {
+            format!(
+                "instance {} {NOT_REGISTERED}: {reason}; leaving as after an engine loss, so \
+                 that the supervisor restarts this worker",
+                self.instance()
+            )
+        } else {
             format!(
                 "{} engine lost: {reason} (instance {})",
                 self.engine(),
                 self.lost_instance()
-            ),
-        );
+            )
+        };
+        context.log(Level::Error, line);
         self.book.request(Op::Withdraw, context);
         self.set_admission(Admission::Closed, context);
         context.emit(Action::StopMonitors);
@@ -929,6 +965,14 @@ impl Worker {
         let code = cause.exit_reason();
         let meaning = match code {
             ExitReason::Clean => "clean shutdown",
+            ExitReason::EngineLost
+                if matches!(
+                    cause,
+                    StopCause::EngineLost(LossReason::NotRegistered { .. })
+                ) =>
+            {
+                "not in discovery; the supervisor should restart this worker"
+            }
             ExitReason::EngineLost => "engine lost; the supervisor should restart this worker",
             ExitReason::StartupFailed => "start-up failed",
         };
@@ -1037,13 +1081,20 @@ pub(crate) fn next_deadline(worker: &Worker, state: &State) -> Option<(Time, &'s
         State::Starting { abort: Some(a) } => {
             candidates.push((a.deadline, "discovery settle deadline"));
         }
-        State::Serving {} if !worker.load_unsupported => {
-            candidates.push((
-                worker.last_fresh + worker.config.stale_after,
-                "stale-load window",
-            ));
+        State::Serving {} => {
+            if !worker.load_unsupported {
+                candidates.push((
+                    worker.last_fresh + worker.config.stale_after,
+                    "stale-load window",
+                ));
+            }
+            if let Some((since, _)) = &worker.unregistered {
+                candidates.push((
+                    *since + worker.config.reregister_deadline,
+                    "re-registration deadline",
+                ));
+            }
         }
-        State::Serving {} => {}
         State::Draining {
             admission_closes_at,
             drain_deadline,

@@ -18,6 +18,7 @@ fn config() -> Config {
         stale_after: Duration::from_secs(30),
         router_grace: Duration::from_secs(5),
         drain_timeout: Duration::from_secs(20),
+        reregister_deadline: Duration::from_secs(45),
         on_engine_loss: OnEngineLoss::Exit,
     }
 }
@@ -497,6 +498,97 @@ fn lost_lease_is_registered_again() {
         vec!["discovery dropped instance abc (its lease expired); registering again"]
     );
     d.feed(secs(2), Event::Registered);
+    assert_eq!(d.lc.phase(), Phase::Serving);
+}
+
+#[test]
+fn a_record_that_cannot_be_written_again_within_the_deadline_leaves_as_a_loss_and_exits_1() {
+    let mut d = Driver::new();
+    d.serving();
+    d.feed(
+        secs(2),
+        Event::RegistrationLost {
+            cause: "the instance record left Dynamo's discovery".into(),
+        },
+    );
+    // Every attempt fails; each retry is one interval later. The stale-load
+    // window is kept fresh, so only the new deadline can end this.
+    let mut now = 2;
+    while now < 46 {
+        d.feed(
+            secs(now),
+            Event::RegistrationFailed {
+                error: "no answer".into(),
+            },
+        );
+        d.feed(secs(now), Event::ProbeSucceeded);
+        now += 1;
+        let a = d.tick(secs(now));
+        assert_eq!(d.lc.phase(), Phase::Serving, "at {now} s");
+        assert_eq!(
+            without_logs(&a),
+            vec![Action::Register],
+            "a retry at {now} s"
+        );
+    }
+    assert_eq!(
+        d.lc.poll_timeout(),
+        Some((secs(47), "re-registration deadline")),
+        "45 s after the record left"
+    );
+    d.feed(
+        secs(46),
+        Event::RegistrationFailed {
+            error: "no answer".into(),
+        },
+    );
+    let a = d.tick(secs(47));
+    assert_eq!(d.lc.phase(), Phase::Lost);
+    assert_eq!(
+        lines(&a, Level::Error),
+        vec![
+            "instance abc is not registered in discovery: not in discovery for 45s (the \
+             instance record left Dynamo's discovery), and every registration since failed; \
+             leaving as after an engine loss, so that the supervisor restarts this worker"
+        ]
+    );
+    assert!(a.contains(&Action::Withdraw) && a.contains(&Action::SetAdmission(Admission::Closed)));
+    d.feed(secs(47), Event::Withdrawn);
+    let a = d.tick(secs(47));
+    assert_eq!(d.lc.phase(), Phase::Exited(ExitReason::EngineLost), "{a:?}");
+}
+
+#[test]
+fn a_record_written_again_before_the_deadline_clears_it() {
+    let mut d = Driver::new();
+    d.serving();
+    d.feed(
+        secs(2),
+        Event::RegistrationLost {
+            cause: "its lease expired".into(),
+        },
+    );
+    d.feed(secs(25), Event::ProbeSucceeded);
+    d.feed(secs(40), Event::Registered);
+    d.feed(secs(50), Event::ProbeSucceeded);
+    // Lost again later: the deadline counts from the new loss.
+    d.feed(
+        secs(60),
+        Event::RegistrationLost {
+            cause: "its lease expired".into(),
+        },
+    );
+    d.feed(secs(60), Event::ProbeSucceeded);
+    assert_eq!(d.lc.poll_timeout(), Some((secs(90), "stale-load window")));
+    d.feed(secs(80), Event::ProbeSucceeded);
+    assert_eq!(
+        d.lc.poll_timeout(),
+        Some((secs(105), "re-registration deadline"))
+    );
+    d.feed(secs(100), Event::Registered);
+    d.feed(secs(100), Event::ProbeSucceeded);
+    assert_eq!(d.lc.poll_timeout(), Some((secs(130), "stale-load window")));
+    d.tick(secs(105));
     assert_eq!(d.lc.phase(), Phase::Serving);
 }
 

@@ -33,6 +33,12 @@ const SETTLE_POLL: Duration = Duration::from_millis(20);
 /// How often a registered worker's records are looked for.
 const WATCH_POLL: Duration = Duration::from_secs(1);
 
+/// Records that could not be read back for this long count as gone: Dynamo's
+/// file store expires a record its owner has not touched for 10 s, and an
+/// etcd lease of 10 s ends as surely, so by then no router sees them (the
+/// reads fail, say, while the process's file descriptors are used up).
+const UNREADABLE_FOR: Duration = Duration::from_secs(10);
+
 /// The longest context registered, in tokens (2^26, some 64 million: six
 /// times the longest context any model offers today). An engine reporting
 /// more is taken to report nonsense.
@@ -353,20 +359,34 @@ fn watch(
     lost: mpsc::UnboundedSender<String>,
 ) {
     tokio::spawn(async move {
+        let mut unreadable_since: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(WATCH_POLL) => {}
             }
             let cause = match ours(&drt, &worker, id, false).await {
-                Ok(o) if o.registered() => continue,
-                Ok(o) if !o.instance => "the instance record left Dynamo's discovery",
-                Ok(_) => "the model card left Dynamo's discovery",
-                // A read that fails is not a lost record; the next one decides.
-                Err(_) => continue,
+                Ok(o) if o.registered() => {
+                    unreadable_since = None;
+                    continue;
+                }
+                Ok(o) if !o.instance => "the instance record left Dynamo's discovery".to_string(),
+                Ok(_) => "the model card left Dynamo's discovery".to_string(),
+                // A read that fails is not a lost record, unless they keep
+                // failing past the records' own lifetime.
+                Err(e) => {
+                    let since = *unreadable_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() < UNREADABLE_FOR {
+                        continue;
+                    }
+                    format!(
+                        "its records could not be read back for {}s: {e}",
+                        UNREADABLE_FOR.as_secs()
+                    )
+                }
             };
             if !stop.is_cancelled() {
-                let _ = lost.send(cause.to_string());
+                let _ = lost.send(cause);
             }
             return;
         }

@@ -32,6 +32,12 @@ pub struct LifecycleFlags {
     /// Once admission is closed, in-flight calls may take this long; the rest are cut.
     #[arg(long, env = "SIDECAR_DRAIN_TIMEOUT", default_value = "20s", value_parser = duration)]
     pub drain_timeout: Duration,
+    /// While serving, the worker's record may be gone from discovery (a lease
+    /// expired, the record removed) this long, every registration since
+    /// failing, before the worker leaves as after an engine loss (withdraw,
+    /// drain, exit 1): a worker no router can see serves no one.
+    #[arg(long, env = "SIDECAR_REREGISTER_DEADLINE", default_value = "60s", value_parser = duration)]
+    pub reregister_deadline: Duration,
 }
 
 impl LifecycleFlags {
@@ -44,6 +50,7 @@ impl LifecycleFlags {
             stale_after: self.stale_after,
             router_grace: self.router_grace,
             drain_timeout: self.drain_timeout,
+            reregister_deadline: self.reregister_deadline,
             ..base
         }
     }

@@ -21,6 +21,7 @@ fn config(u: &mut Unstructured<'_>) -> arbitrary::Result<Config> {
         stale_after: duration(u, 60_000)?,
         router_grace: duration(u, 10_000)?,
         drain_timeout: duration(u, 30_000)?,
+        reregister_deadline: duration(u, 120_000)?,
         on_engine_loss: if bool::arbitrary(u)? {
             OnEngineLoss::Rejoin
         } else {

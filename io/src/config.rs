@@ -41,6 +41,9 @@ pub struct Timings {
     pub router_grace: Duration,
     /// In-flight calls may take this long once admission is closed.
     pub drain_timeout: Duration,
+    /// Serving may go on this long with its record gone from discovery
+    /// before the worker leaves (exit 1).
+    pub reregister_deadline: Duration,
     /// TTL of the etcd lease behind the record.
     pub lease_ttl: Duration,
 }
@@ -58,6 +61,7 @@ impl Default for Timings {
             stale_after: Duration::from_secs(30),
             router_grace: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(20),
+            reregister_deadline: Duration::from_secs(60),
             lease_ttl: Duration::from_secs(10),
         }
     }

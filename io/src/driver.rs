@@ -750,5 +750,6 @@ fn core_config(config: &RunConfig, instance_id: u64) -> CoreConfig {
         stale_after: t.stale_after,
         router_grace: t.router_grace,
         drain_timeout: t.drain_timeout,
+        reregister_deadline: t.reregister_deadline,
     }
 }

@@ -25,7 +25,8 @@ use llm_sidecar_core::{
 pub mod diagram;
 
 /// The settings every driver uses: short enough for time jumps to matter,
-/// ordered like production (retry < grace < drain < stale < startup).
+/// ordered like production (retry < grace < drain < stale < re-registration
+/// < startup).
 pub fn test_config() -> Config {
     Config {
         engine_display_name: "TensorRT-LLM".into(),
@@ -35,6 +36,7 @@ pub fn test_config() -> Config {
         stale_after: Duration::from_secs(30),
         router_grace: Duration::from_secs(5),
         drain_timeout: Duration::from_secs(20),
+        reregister_deadline: Duration::from_secs(45),
         on_engine_loss: OnEngineLoss::Exit,
     }
 }
@@ -589,8 +591,11 @@ impl Checker {
         // exactly one cause: its input.
         let signal = matches!(event, Some(Event::ShutdownSignal));
         let loss_line = format!("{} engine lost: ", config.engine_display_name);
+        // Leaving for want of a record decides exit 1 the same way.
+        let unregistered_line = format!(" {}: ", llm_sidecar_core::NOT_REGISTERED);
         let loss_accepted = actions.iter().any(|a| {
-            matches!(a, Action::Log { level: Level::Error, message } if message.starts_with(&loss_line))
+            matches!(a, Action::Log { level: Level::Error, message }
+                if message.starts_with(&loss_line) || message.contains(&unregistered_line))
         });
         if loss_accepted && !matches!(before, Phase::Starting | Phase::Serving) {
             return violation(4, format!("engine loss accepted while {before:?}"));

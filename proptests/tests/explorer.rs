@@ -30,7 +30,8 @@ use llm_sidecar_proptests::{AbstractEvent, Harness};
 /// The unit every setting and every wait is a whole number of.
 const TICK: Duration = Duration::from_millis(500);
 
-/// Production's order (retry < grace < drain < stale < startup), in ticks.
+/// Production's order (retry < grace < drain < stale < re-registration <
+/// startup), in ticks.
 fn config(on_engine_loss: OnEngineLoss) -> Config {
     Config {
         retry_interval: 2 * TICK,
@@ -38,6 +39,7 @@ fn config(on_engine_loss: OnEngineLoss) -> Config {
         drain_timeout: 5 * TICK,
         stale_after: 7 * TICK,
         startup_deadline: 11 * TICK,
+        reregister_deadline: 9 * TICK,
         on_engine_loss,
         ..llm_sidecar_proptests::test_config()
     }

@@ -22,6 +22,9 @@ fn config(rejoin: bool) -> Config {
         stale_after: Duration::from_secs(100),
         router_grace: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(20),
+        // Never the next timer: the model's Serving clock is the stale-load
+        // window (the explorer and the fuzzer reach this deadline).
+        reregister_deadline: Duration::from_secs(10_000),
         on_engine_loss: if rejoin {
             OnEngineLoss::Rejoin
         } else {

@@ -506,6 +506,45 @@ fn a_record_removed_while_serving_is_written_again() {
     assert!(sidecar.records().is_empty());
 }
 
+/// A record removed while serving that cannot be written again (a file
+/// stands where its directory was) for `--reregister-deadline`: the worker
+/// leaves as after an engine loss, with one ERROR line, and exits 1, instead
+/// of serving on where no router can see it.
+#[test]
+fn a_record_that_cannot_be_written_again_within_the_deadline_ends_the_worker_with_exit_1() {
+    let dir = TempDir::new("record-unwritable");
+    let (_mock, mut sidecar) = serving(&dir.0, &[], &["--reregister-deadline", "2s"]);
+    let record = sidecar.wait_for_record(HANG);
+    let parent = record
+        .parent()
+        .expect("the record's directory")
+        .to_path_buf();
+    std::fs::remove_dir_all(&parent).expect("remove the record's directory");
+    std::fs::write(&parent, b"not a directory").expect("a file in its place");
+    let removed = std::time::Instant::now();
+    assert_eq!(
+        sidecar.proc.wait_exit(HANG),
+        1,
+        "{}",
+        sidecar.proc.log_text()
+    );
+    let left = removed.elapsed();
+    assert_eq!(
+        sidecar
+            .proc
+            .count_lines("is not registered in discovery: not in discovery for"),
+        1,
+        "{}",
+        sidecar.proc.log_text()
+    );
+    assert!(
+        sidecar.proc.line_index("registering again")
+            < sidecar.proc.line_index("is not registered in discovery"),
+        "it tried first"
+    );
+    eprintln!("record unwritable: exit 1 {left:?} after its directory became a file");
+}
+
 #[test]
 fn instances_reads_only_regular_files_once_each_and_escapes_what_it_prints() {
     let dir = TempDir::new("instances");

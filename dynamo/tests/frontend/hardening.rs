@@ -50,6 +50,59 @@ fn wait_listed(frontend: &Frontend, model: &str, listed: bool, limit: Duration) 
     from.elapsed()
 }
 
+/// A frontend with `frontend_args`, one engine (set up by `prepare` before
+/// its worker starts), and its worker (run by `under`, with `extra` flags),
+/// registered and listed.
+struct One {
+    worker: Worker,
+    engine: Engine,
+    frontend: Frontend,
+    store: Store,
+    model: String,
+    _dir: TempDir,
+}
+
+impl One {
+    fn start(
+        name: &str,
+        frontend_args: &[&str],
+        prepare: impl FnOnce(&Engine),
+        under: &[&str],
+        extra: &[&str],
+    ) -> (One, String) {
+        let (dir, store, frontend, model) = frontend(name, frontend_args);
+        let engine = Engine::start(&dir.0, "2ms");
+        prepare(&engine);
+        let mut worker = Worker::start_under(
+            under,
+            &dir.0,
+            &store,
+            &engine,
+            Path::new(&model),
+            extra,
+            &[],
+        );
+        let id = worker.wait_registered();
+        wait_listed(&frontend, &model, true, Duration::from_secs(60));
+        let one = One {
+            worker,
+            engine,
+            frontend,
+            store,
+            model,
+            _dir: dir,
+        };
+        (one, id)
+    }
+
+    fn kv_dir(&self) -> &Path {
+        match &self.store {
+            Store::File(kv) => kv,
+            Store::Etcd(_) => unreachable!("a file store"),
+        }
+    }
+}
+
 /// One short completion through the frontend; its status and body.
 fn complete(frontend: &Frontend, model: &str) -> (u16, String) {
     frontend.post(
@@ -64,36 +117,34 @@ fn complete(frontend: &Frontend, model: &str) -> (u16, String) {
 /// says so) and the frontend serves.
 #[test]
 fn an_engine_reporting_a_4294967295_token_kv_block_is_registered_without_kv_fields_and_served() {
-    let (dir, store, frontend, model) = frontend("dyn-absurd-block", &["--router-mode", "kv"]);
-    let engine = Engine::start(&dir.0, "2ms");
-    engine.control("/server-info?kv_block_size=4294967295");
-    let mut worker = Worker::start(&dir.0, &store, &engine, Path::new(&model), &[]);
-    worker.wait_registered();
-    wait_listed(&frontend, &model, true, Duration::from_secs(60));
-    let Store::File(kv) = &store else {
-        unreachable!("a file store")
-    };
-    let cards =
-        llm_sidecar_loadgen::local::files_under(kv, &|p| p.display().to_string().contains("mdc"));
+    let (mut one, _) = One::start(
+        "dyn-absurd-block",
+        &["--router-mode", "kv"],
+        |engine| engine.control("/server-info?kv_block_size=4294967295"),
+        &[],
+        &[],
+    );
+    let cards = llm_sidecar_loadgen::local::files_under(one.kv_dir(), &|p| {
+        p.display().to_string().contains("mdc")
+    });
     let card = std::fs::read_to_string(cards.first().expect("a model card")).expect("read it");
     assert!(
         !card.contains("4294967295") && !card.contains("\"total_kv_blocks\":8192"),
         "no KV block size or total in the card: {card}"
     );
     assert_eq!(
-        worker
+        one.worker
             .proc
             .count_lines("KV block size of 4294967295 tokens"),
         1,
         "one line says what was left out:\n{}",
-        worker.proc.log_text()
+        one.worker.proc.log_text()
     );
     for _ in 0..3 {
-        let (status, body) = complete(&frontend, &model);
+        let (status, body) = complete(&one.frontend, &one.model);
         assert_eq!(status, 200, "{body}");
     }
-    let mut frontend = frontend;
-    assert!(frontend.proc.running(), "the frontend is still up");
+    assert!(one.frontend.proc.running(), "the frontend is still up");
 }
 
 /// Fault 2: absurd data-parallel values. Size 2^32−1 made the worker
@@ -152,13 +203,16 @@ fn absurd_data_parallel_values_are_refused_in_one_line_nothing_is_written_and_st
 /// on. Before: +150 to +300 MiB in 10 s here, and the engine judged lost.
 #[test]
 fn a_kv_event_flood_leaves_the_workers_memory_flat_and_the_worker_serving() {
-    let (dir, store, frontend, model) = frontend("dyn-kv-flood", &["--router-mode", "kv"]);
-    let engine = Engine::start(&dir.0, "2ms");
-    let mut worker = Worker::start(&dir.0, &store, &engine, Path::new(&model), &[]);
-    worker.wait_registered();
-    wait_listed(&frontend, &model, true, Duration::from_secs(60));
+    let (mut one, _) = One::start("dyn-kv-flood", &["--router-mode", "kv"], |_| {}, &[], &[]);
+    let One {
+        worker,
+        engine,
+        frontend,
+        model,
+        ..
+    } = &mut one;
     let admin = worker.admin.expect("an admin port");
-    let (status, body) = complete(&frontend, &model);
+    let (status, body) = complete(frontend, model);
     assert_eq!(status, 200, "{body}");
     std::thread::sleep(Duration::from_secs(1));
     let pid = worker.proc.pid();
@@ -186,7 +240,7 @@ fn a_kv_event_flood_leaves_the_workers_memory_flat_and_the_worker_serving() {
         peak - before < 100.0,
         "memory flat under the flood: {before:.0} -> {peak:.0} MiB"
     );
-    let (status, body) = complete(&frontend, &model);
+    let (status, body) = complete(frontend, model);
     assert_eq!(status, 200, "served after the flood: {body}");
     assert!(worker.proc.running(), "the worker is still up");
     assert_eq!(
@@ -202,11 +256,14 @@ fn a_kv_event_flood_leaves_the_workers_memory_flat_and_the_worker_serving() {
 /// credited, and counted.
 #[test]
 fn an_event_storing_more_blocks_than_the_engine_holds_is_credited_up_to_its_total() {
-    let (dir, store, frontend, model) = frontend("dyn-kv-overstore", &["--router-mode", "kv"]);
-    let engine = Engine::start(&dir.0, "2ms");
-    let mut worker = Worker::start(&dir.0, &store, &engine, Path::new(&model), &[]);
-    worker.wait_registered();
-    wait_listed(&frontend, &model, true, Duration::from_secs(60));
+    let (one, _) = One::start(
+        "dyn-kv-overstore",
+        &["--router-mode", "kv"],
+        |_| {},
+        &[],
+        &[],
+    );
+    let One { worker, engine, .. } = &one;
     let admin = worker.admin.expect("an admin port");
     wait_until(HANG, "the relay to subscribe", || {
         worker
@@ -273,6 +330,51 @@ fn records_that_leave_discovery_while_serving_are_written_again_and_served() {
     );
 }
 
+/// Fault 4, the bound: records that left discovery and cannot be written
+/// again (a file stands where Dynamo's `instances` directory was) for
+/// `--reregister-deadline`: the worker leaves with one ERROR line and exits 1
+/// instead of running on invisible.
+#[test]
+fn records_that_cannot_be_written_again_within_the_deadline_end_the_worker_with_exit_1() {
+    let (one, _) = One::start(
+        "dyn-records-unwritable",
+        &[],
+        |_| {},
+        &[],
+        &[
+            "--reregister-deadline",
+            "3s",
+            "--grpc-connect-attempt-timeout-secs",
+            "5",
+            "--drain-timeout",
+            "5s",
+        ],
+    );
+    let instances = one.kv_dir().join("v1/instances");
+    let One {
+        mut worker,
+        frontend,
+        model,
+        ..
+    } = one;
+    std::fs::remove_dir_all(&instances).expect("remove the instance records");
+    std::fs::write(&instances, b"not a directory").expect("a file in their place");
+    let removed = Instant::now();
+    wait_listed(&frontend, &model, false, HANG);
+    let code = worker.proc.wait_exit(Duration::from_secs(90));
+    let left = removed.elapsed();
+    let log = worker.proc.log_text();
+    assert_eq!(code, 1, "{log}");
+    assert_eq!(
+        worker
+            .proc
+            .count_lines("is not registered in discovery: not in discovery for"),
+        1,
+        "{log}"
+    );
+    eprintln!("records unwritable: exit 1 {left:?} after their directory became a file");
+}
+
 /// Fault 4: idle connections to the request-plane port use up the worker's
 /// file descriptors. Dynamo's accept loop logged each failed accept (about
 /// 0.9 GB in 15 s), its records expired, and once the connections closed the
@@ -283,26 +385,23 @@ fn records_that_leave_discovery_while_serving_are_written_again_and_served() {
 #[test]
 fn idle_connections_that_exhaust_file_descriptors_are_logged_at_a_bounded_rate_and_the_worker_comes_back()
  {
-    let (dir, store, frontend, model) = frontend("dyn-fd-exhaustion", &[]);
-    let engine = Engine::start(&dir.0, "2ms");
-    let mut worker = Worker::start_under(
-        &["prlimit", "--nofile=256:256"],
-        &dir.0,
-        &store,
-        &engine,
-        Path::new(&model),
+    let (one, id) = One::start(
+        "dyn-fd-exhaustion",
         &[],
+        |_| {},
+        &["prlimit", "--nofile=256:256"],
         &[],
     );
-    let id = worker.wait_registered();
-    wait_listed(&frontend, &model, true, Duration::from_secs(60));
-    let Store::File(kv) = &store else {
-        unreachable!("a file store")
-    };
-    let record = llm_sidecar_loadgen::local::files_under(kv, &|p| {
+    let record = llm_sidecar_loadgen::local::files_under(one.kv_dir(), &|p| {
         let p = p.display().to_string();
         p.contains("instances") && p.ends_with(&id)
     });
+    let One {
+        mut worker,
+        frontend,
+        model,
+        ..
+    } = one;
     let record =
         std::fs::read_to_string(record.first().expect("the instance record")).expect("read it");
     let record: serde_json::Value = serde_json::from_str(&record).expect("JSON");
@@ -355,17 +454,19 @@ fn idle_connections_that_exhaust_file_descriptors_are_logged_at_a_bounded_rate_a
 /// lengths, and the engine never sees it.
 #[test]
 fn a_prompt_over_the_context_length_is_refused_400_before_the_engine_sees_it() {
-    let (dir, store, frontend, model) = frontend("dyn-over-context", &[]);
-    let engine = Engine::start(&dir.0, "2ms");
-    let mut worker = Worker::start(
-        &dir.0,
-        &store,
-        &engine,
-        Path::new(&model),
+    let (one, _) = One::start(
+        "dyn-over-context",
+        &[],
+        |_| {},
+        &[],
         &["--context-length", "64"],
     );
-    worker.wait_registered();
-    wait_listed(&frontend, &model, true, Duration::from_secs(60));
+    let One {
+        engine,
+        frontend,
+        model,
+        ..
+    } = &one;
     let before = engine.stats()["generate_started"].as_u64();
     let prompt: String = (0..100).map(|i| format!("w{} ", 100 + i)).collect();
     let (status, body) = frontend.post(
@@ -378,6 +479,6 @@ fn a_prompt_over_the_context_length_is_refused_400_before_the_engine_sees_it() {
         "{body}"
     );
     assert_eq!(engine.stats()["generate_started"].as_u64(), before);
-    let (status, body) = complete(&frontend, &model);
+    let (status, body) = complete(frontend, model);
     assert_eq!(status, 200, "a prompt that fits is served: {body}");
 }

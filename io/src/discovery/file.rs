@@ -208,9 +208,13 @@ async fn guard(
             () = cancel.cancelled() => return,
             _ = ticker.tick() => {}
         }
+        // A directory on its path replaced by a file hides it as surely.
         let gone = matches!(
             tokio::fs::symlink_metadata(&path).await,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound
+            Err(e) if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            )
         );
         if gone && !cancel.is_cancelled() {
             tracing::warn!(record = %path.display(), "the record file was removed by someone else");
