@@ -100,6 +100,12 @@ impl Bridge {
                 "llm_sidecar_kv_blocks_not_credited",
                 "Stored KV blocks not credited at Dynamo's router: beyond the engine's total.",
             ),
+            messages: calls.counter(
+                "llm_sidecar_kv_event_messages_lost",
+                "KV event messages of the engine that never reached the relay (a gap in the \
+                 engine's sequence: ZMQ dropped them, its queue full); the rank's blocks are \
+                 cleared from Dynamo's router and learned anew.",
+            ),
         };
         Bridge {
             kv_dropped,

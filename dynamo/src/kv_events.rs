@@ -121,6 +121,26 @@ impl Budget {
         (self.diverged > 0 && self.tokens >= BURST_BLOCKS / 2).then_some(self.diverged)
     }
 
+    /// How long the relay should stop reading, at `now`: while the rank is
+    /// dropping, until the bucket is half full again. Reading on would only
+    /// decode messages to drop them: a flood at any rate then costs this
+    /// process what the budget lets through, not what the engine sends (ZMQ
+    /// drops the rest at the publisher, and the sequence gap says how many).
+    pub fn pause(&mut self, now: Instant) -> Option<Duration> {
+        self.refill(now);
+        let short = (BURST_BLOCKS / 2)
+            .checked_sub(self.tokens)
+            .filter(|s| *s > 0)?;
+        (self.diverged > 0)
+            .then(|| Duration::from_micros(short.saturating_mul(1_000_000) / BLOCKS_PER_SECOND + 1))
+    }
+
+    /// Messages of the rank were lost before they reached the relay: the
+    /// router's view of the rank is wrong until it is cleared.
+    pub fn lost(&mut self, messages: u64) {
+        self.diverged = self.diverged.saturating_add(messages);
+    }
+
     /// A `Cleared` reached the router: it holds nothing of this rank.
     pub fn cleared(&mut self) {
         self.credited = 0;
@@ -173,6 +193,9 @@ pub struct Dropped {
     pub events: Arc<AtomicU64>,
     /// Stored blocks not credited, beyond the engine's total.
     pub blocks: Arc<AtomicU64>,
+    /// Messages missing from the engine's sequence: ZMQ dropped them before
+    /// the relay read them (its queue full, the relay paused or slow).
+    pub messages: Arc<AtomicU64>,
 }
 
 /// One engine publisher this worker relays.
@@ -322,6 +345,8 @@ impl Relay {
             trusted: true,
             undecodable: 0,
             said: Said::default(),
+            sequence: Sequence::default(),
+            said_lost: Said::default(),
         };
         let silent_after = self.heartbeat.map(|h| h * SILENT_INTERVALS);
         loop {
@@ -353,11 +378,23 @@ impl Relay {
             if !self.relay_message(&mut state, &frames) {
                 return;
             }
+            if let Some(wait) = state.budget.pause(Instant::now()) {
+                tokio::select! {
+                    () = self.stop.cancelled() => return,
+                    () = tokio::time::sleep(wait) => {}
+                }
+                // The silence meanwhile was the relay's, not the engine's.
+                state.last_heard = Instant::now();
+            }
             // Under a flood the socket is always ready, and it is no tokio
             // resource: without this the relay never yields and starves every
             // task behind it on its thread (the lifecycle's timers, the load
-            // probe: the engine was judged stale after 35 s of a flood).
-            tokio::task::consume_budget().await;
+            // probe: the engine was judged stale after 35 s of a flood). A
+            // message is up to a thousand events to decode, so the relay
+            // yields after each one, not once its task budget of 128 units is
+            // spent (a second and more of a debug build's decoding on a loaded
+            // machine, enough for the load probe to judge the engine stale).
+            tokio::task::yield_now().await;
         }
     }
 
@@ -435,6 +472,23 @@ impl Relay {
                  again as they are stored"
             );
         }
+        if let Some(lost) = frames
+            .get(1)
+            .and_then(|f| Some(u64::from_be_bytes(f.as_slice().try_into().ok()?)))
+            .and_then(|number| state.sequence.next(number))
+        {
+            self.dropped.messages.fetch_add(lost, Ordering::Relaxed);
+            state.budget.lost(lost);
+            if state.said_lost.due(now) {
+                tracing::warn!(
+                    rank,
+                    "{lost} KV event messages of the engine never reached this worker (ZMQ \
+                     dropped them, its queue of {QUEUED_MESSAGES} full): Dynamo's router forgets \
+                     this rank's blocks and learns them anew (counted on /metrics; said at most \
+                     once a minute)"
+                );
+            }
+        }
         if let Some(dropped) = state.budget.must_clear(now) {
             if !self.clear(state) {
                 return false;
@@ -443,7 +497,7 @@ impl Relay {
                 tracing::info!(
                     rank,
                     "the engine's KV events are within {BLOCKS_PER_SECOND} blocks a second \
-                     again after {dropped} were dropped: Dynamo's router forgot this rank's \
+                     again after {dropped} events dropped or messages lost: Dynamo's router forgot this rank's \
                      blocks and learns them anew as they are stored (said at most once a \
                      minute; /metrics counts every drop)"
                 );
@@ -528,6 +582,28 @@ struct RelayState {
     undecodable: u64,
     /// When a line about dropped events was last written.
     said: Said,
+    /// The engine's message sequence, to find messages lost.
+    sequence: Sequence,
+    /// When a line about lost messages was last written.
+    said_lost: Said,
+}
+
+/// The engine numbers its messages (the second frame, 8 bytes big-endian):
+/// a gap is messages ZMQ dropped before the relay read them.
+#[derive(Debug, Default)]
+struct Sequence(Option<u64>);
+
+impl Sequence {
+    /// Takes the number of the message just read; how many messages were
+    /// lost before it, if any. A number not above the last one is a
+    /// publisher that started again: nothing lost, counted anew.
+    fn next(&mut self, number: u64) -> Option<u64> {
+        let last = self.0.replace(number)?;
+        number
+            .checked_sub(last)
+            .and_then(|d| d.checked_sub(1))
+            .filter(|lost| *lost > 0)
+    }
 }
 
 /// A line that is written at most once a minute.
@@ -626,6 +702,43 @@ mod tests {
                 "{ms} ms"
             );
         }
+    }
+
+    #[test]
+    fn a_dropping_rank_pauses_its_reading_until_half_refilled_and_a_lost_message_clears_it() {
+        let t0 = Instant::now();
+        let mut b = Budget::new(u64::MAX, t0);
+        assert_eq!(b.pause(t0), None, "a full bucket reads on");
+        assert_eq!(
+            b.admit(&mut stored(BURST_BLOCKS as usize), t0),
+            Verdict::Pass { cut: 0 }
+        );
+        assert_eq!(b.pause(t0), None, "empty but nothing dropped: reads on");
+        assert_eq!(b.admit(&mut stored(1), t0), Verdict::Dropped);
+        let wait = b.pause(t0).expect("dropping: the relay pauses");
+        let half = Duration::from_secs_f64(BURST_BLOCKS as f64 / 2.0 / BLOCKS_PER_SECOND as f64);
+        assert!(
+            wait >= half && wait <= half + Duration::from_millis(1),
+            "{wait:?}"
+        );
+        assert_eq!(b.pause(t0 + wait), None);
+        assert_eq!(b.must_clear(t0 + wait), Some(1));
+        b.cleared();
+        // Messages lost with the bucket full: cleared at once, then passed.
+        b.lost(3);
+        assert_eq!(b.pause(t0 + wait), None, "no need to wait for the bucket");
+        assert_eq!(b.must_clear(t0 + wait), Some(3));
+    }
+
+    #[test]
+    fn a_gap_in_the_engines_sequence_counts_the_messages_lost() {
+        let mut s = Sequence::default();
+        assert_eq!(s.next(41), None, "the first message read");
+        assert_eq!(s.next(42), None);
+        assert_eq!(s.next(50), Some(7));
+        assert_eq!(s.next(0), None, "a publisher started again");
+        assert_eq!(s.next(1), None);
+        assert_eq!(s.next(1), None, "a repeat loses nothing");
     }
 
     #[test]
