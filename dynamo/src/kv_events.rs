@@ -333,58 +333,21 @@ pub struct Relay {
 impl Relay {
     /// Runs the relay until `stop`.
     pub async fn run(self) {
-        let rank = self.source.rank;
         let Some(mut socket) = self.subscribe() else {
             return;
         };
-        let mut state = RelayState {
-            normalizer: ZmqEventNormalizer::new(self.block_size),
-            worker: WorkerWithDpRank::new(self.worker_id, rank),
-            budget: Budget::new(self.total_blocks, Instant::now()),
-            last_heard: Instant::now(),
-            trusted: true,
-            undecodable: 0,
-            said: Said::default(),
-            sequence: Sequence::default(),
-            said_lost: Said::default(),
-        };
-        let silent_after = self.heartbeat.map(|h| h * SILENT_INTERVALS);
+        let mut state = self.fresh_state();
         loop {
-            let deadline = silent_after.map(|s| state.last_heard + s);
-            let silence = async {
-                match deadline {
-                    Some(d) if state.trusted => tokio::time::sleep_until(d).await,
-                    _ => std::future::pending().await,
+            let going = match self.next(&mut socket, &state).await {
+                Next::Message(frames) => {
+                    self.relay_message(&mut state, &frames) && self.rest(&mut state).await
                 }
+                Next::Silent => self.fell_silent(&mut state),
+                Next::Retry => true,
+                Next::End => false,
             };
-            let frames = tokio::select! {
-                () = self.stop.cancelled() => return,
-                () = silence => {
-                    if !self.fell_silent(&mut state) {
-                        return;
-                    }
-                    continue;
-                }
-                next = socket.next() => match next {
-                    Some(Ok(m)) => m.into_iter().map(|f| f.to_vec()).collect::<Vec<_>>(),
-                    Some(Err(e)) => {
-                        tracing::debug!(rank, "KV events: receive failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                    None => return,
-                },
-            };
-            if !self.relay_message(&mut state, &frames) {
+            if !going {
                 return;
-            }
-            if let Some(wait) = state.budget.pause(Instant::now()) {
-                tokio::select! {
-                    () = self.stop.cancelled() => return,
-                    () = tokio::time::sleep(wait) => {}
-                }
-                // The silence meanwhile was the relay's, not the engine's.
-                state.last_heard = Instant::now();
             }
             // Under a flood the socket is always ready, and it is no tokio
             // resource: without this the relay never yields and starves every
@@ -396,6 +359,63 @@ impl Relay {
             // machine, enough for the load probe to judge the engine stale).
             tokio::task::yield_now().await;
         }
+    }
+
+    /// What a relay starts with: a full budget, the publisher just heard.
+    fn fresh_state(&self) -> RelayState {
+        RelayState {
+            normalizer: ZmqEventNormalizer::new(self.block_size),
+            worker: WorkerWithDpRank::new(self.worker_id, self.source.rank),
+            budget: Budget::new(self.total_blocks, Instant::now()),
+            last_heard: Instant::now(),
+            trusted: true,
+            undecodable: 0,
+            said: Said::default(),
+            sequence: Sequence::default(),
+            said_lost: Said::default(),
+        }
+    }
+
+    /// Waits for the next message, the publisher's silence past three
+    /// heartbeats (while it is trusted), or the worker's end.
+    async fn next(&self, socket: &mut tmq::subscribe::Subscribe, state: &RelayState) -> Next {
+        let deadline = self
+            .heartbeat
+            .map(|h| state.last_heard + h * SILENT_INTERVALS);
+        let silence = async {
+            match deadline {
+                Some(d) if state.trusted => tokio::time::sleep_until(d).await,
+                _ => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = self.stop.cancelled() => Next::End,
+            () = silence => Next::Silent,
+            next = socket.next() => match next {
+                Some(Ok(m)) => Next::Message(m.into_iter().map(|f| f.to_vec()).collect()),
+                Some(Err(e)) => {
+                    tracing::debug!(rank = self.source.rank, "KV events: receive failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Next::Retry
+                }
+                None => Next::End,
+            },
+        }
+    }
+
+    /// While the rank is dropping, stops reading until its budget allows
+    /// more ([`Budget::pause`]); false if the worker ends meanwhile.
+    async fn rest(&self, state: &mut RelayState) -> bool {
+        let Some(wait) = state.budget.pause(Instant::now()) else {
+            return true;
+        };
+        tokio::select! {
+            () = self.stop.cancelled() => return false,
+            () = tokio::time::sleep(wait) => {}
+        }
+        // The silence meanwhile was the relay's, not the engine's.
+        state.last_heard = Instant::now();
+        true
     }
 
     /// The SUB socket on the engine's publisher, or `None` (said once).
@@ -569,6 +589,18 @@ impl Relay {
         }
         events.is_empty() || self.publisher.publish_batch(events).is_ok()
     }
+}
+
+/// What the relay's wait ended with.
+enum Next {
+    /// A message's frames.
+    Message(Vec<Vec<u8>>),
+    /// The publisher has been silent for three heartbeats.
+    Silent,
+    /// Receiving failed; waited a moment, try again.
+    Retry,
+    /// The worker ends, or the socket did.
+    End,
 }
 
 /// What one relay keeps between messages.

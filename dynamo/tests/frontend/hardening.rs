@@ -73,7 +73,7 @@ impl One {
         let (dir, store, frontend, model) = frontend(name, frontend_args);
         let engine = Engine::start(&dir.0, "2ms");
         prepare(&engine);
-        let mut worker = Worker::start_under(
+        let mut worker = Worker::start(
             under,
             &dir.0,
             &store,
@@ -163,11 +163,13 @@ fn absurd_data_parallel_values_are_refused_in_one_line_nothing_is_written_and_st
         ));
         let started = Instant::now();
         let mut worker = Worker::start(
+            &[],
             &dir.0,
             &store,
             &engine,
             Path::new(&model),
             &["--grpc-startup-deadline-secs", "4"],
+            &[],
         );
         let code = worker.proc.wait_exit(HANG);
         let log = worker.proc.log_text();

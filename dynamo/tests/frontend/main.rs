@@ -77,7 +77,8 @@ impl Setup {
         let mut ids = Vec::new();
         for _ in 0..n {
             let engine = Engine::start(&dir.0, token_delay);
-            let mut worker = Worker::start_with_env(
+            let mut worker = Worker::start(
+                &[],
                 &dir.0,
                 &store,
                 &engine,
@@ -425,7 +426,7 @@ fn two_workers_started_with_dynamos_sidecar_arguments_both_register() {
     let engines = [Engine::start(&dir.0, "1ms"), Engine::start(&dir.0, "1ms")];
     let mut workers: Vec<Worker> = engines
         .iter()
-        .map(|e| Worker::spawn(&dir.0, &store, e, &tokenizer, &[], &[]))
+        .map(|e| Worker::spawn(&[], &dir.0, &store, e, &tokenizer, &[], &[]))
         .collect();
     let ids: Vec<String> = workers.iter_mut().map(Worker::wait_registered).collect();
     assert_ne!(ids[0], ids[1]);

@@ -470,26 +470,10 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A worker with an admin port and the test's short timings, plus `extra`.
-    pub fn start(dir: &Path, store: &Store, engine: &Engine, model: &Path, extra: &[&str]) -> Self {
-        Self::start_with_env(dir, store, engine, model, extra, &[])
-    }
-
-    /// As [`Worker::start`], with more environment variables.
-    pub fn start_with_env(
-        dir: &Path,
-        store: &Store,
-        engine: &Engine,
-        model: &Path,
-        extra: &[&str],
-        env: &[(&str, String)],
-    ) -> Self {
-        Self::start_under(&[], dir, store, engine, model, extra, env)
-    }
-
-    /// As [`Worker::start_with_env`], run by the command `under` (see
-    /// [`Worker::spawn_under`]).
-    pub fn start_under(
+    /// A worker with an admin port and the test's short timings, plus
+    /// `extra` and the environment `env`, run by the command `under` (see
+    /// [`Worker::spawn`]; none: `&[]`).
+    pub fn start(
         under: &[&str],
         dir: &Path,
         store: &Store,
@@ -517,28 +501,17 @@ impl Worker {
             args.extend(["--stale-after".to_string(), "10s".to_string()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut w = Self::spawn_under(under, dir, store, engine, model, &args, env);
+        let mut w = Self::spawn(under, dir, store, engine, model, &args, env);
         w.admin = Some(admin);
         w
     }
 
     /// A worker started with exactly Dynamo's own sidecar's arguments
     /// (`--grpc-endpoint`, `--model-path`, `--discovery-backend`,
-    /// `--request-plane`) and `args` after them.
+    /// `--request-plane`) and `args` after them, run by the command `under`
+    /// (its program and arguments, the worker's command line after them:
+    /// `prlimit --nofile=…`; none: `&[]`).
     pub fn spawn(
-        dir: &Path,
-        store: &Store,
-        engine: &Engine,
-        model: &Path,
-        args: &[String],
-        env: &[(&str, String)],
-    ) -> Self {
-        Self::spawn_under(&[], dir, store, engine, model, args, env)
-    }
-
-    /// As [`Worker::spawn`], run by the command `under` (its program and
-    /// arguments, the worker's command line after them: `prlimit --nofile=…`).
-    pub fn spawn_under(
         under: &[&str],
         dir: &Path,
         store: &Store,
