@@ -96,11 +96,6 @@ impl Gate {
         }
     }
 
-    /// Whether new calls are admitted.
-    pub fn is_open(&self) -> bool {
-        self.word.load(Ordering::Acquire) & CLOSED == 0
-    }
-
     /// Calls admitted and not yet left.
     pub fn in_flight(&self) -> u64 {
         self.word.load(Ordering::Acquire) & COUNT

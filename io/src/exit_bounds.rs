@@ -11,7 +11,7 @@ use std::time::Duration;
 /// sends for at most this long, so the caller reads its last answers before the
 /// close instead of a TCP reset. Go's HTTP/2 server gives a caller the same
 /// second after its final GOAWAY.
-pub(crate) const LINGER: Duration = Duration::from_secs(1);
+pub(crate) const CLOSE_LINGER: Duration = Duration::from_secs(1);
 
 /// After GOAWAY, a connection's last frames (the trailers of calls cut at the
 /// drain deadline) get this long to reach the caller, the linger included:
@@ -23,5 +23,5 @@ pub(crate) const GOAWAY_FLUSH: Duration = Duration::from_secs(2);
 /// every connection task when there are thousands.
 pub(crate) const CONNECTIONS_CLOSE: Duration = Duration::from_secs(3);
 
-const _: () = assert!(LINGER.as_millis() < GOAWAY_FLUSH.as_millis());
+const _: () = assert!(CLOSE_LINGER.as_millis() < GOAWAY_FLUSH.as_millis());
 const _: () = assert!(GOAWAY_FLUSH.as_millis() < CONNECTIONS_CLOSE.as_millis());

@@ -83,14 +83,6 @@ fn assert_detected(sidecar: &Sidecar, kind: Kind, engine: std::net::SocketAddr) 
     assert!(sidecar.proc.wait_for_line(&line, HANG).contains(" INFO "));
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 async fn channel(addr: std::net::SocketAddr) -> Channel {
     llm_sidecar_loadgen::connect(&addr.to_string())
         .await

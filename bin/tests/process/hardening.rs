@@ -12,14 +12,6 @@ use tonic::Code;
 use crate::support::raw_h2::{self, RawH2};
 use crate::support::*;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 fn generate(id: &str, tokens: u32) -> GenerateRequest {
     GenerateRequest {
         request_id: id.to_string(),

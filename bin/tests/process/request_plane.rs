@@ -14,14 +14,6 @@ use llm_sidecar_engine_api::trtllm::{
 use tonic::Code;
 use tonic::transport::Channel;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 async fn client(addr: std::net::SocketAddr) -> TrtllmServiceClient<Channel> {
     TrtllmServiceClient::connect(format!("http://{addr}"))
         .await

@@ -165,11 +165,18 @@ pub const PROFILES: [EngineProfile; 6] = [
 impl EngineKind {
     /// This kind's profile.
     pub fn profile(self) -> &'static EngineProfile {
-        // Every kind has exactly one profile in PROFILES.
-        PROFILES
-            .iter()
-            .find(|p| p.kind == self)
-            .unwrap_or(&PROFILES[0])
+        // A match, so that a new kind cannot compile without its place in
+        // PROFILES (whose order is detection's); the test below checks each
+        // place holds its kind.
+        let at = match self {
+            EngineKind::OpenEngine => 0,
+            EngineKind::Trtllm => 1,
+            EngineKind::VllmNative => 2,
+            EngineKind::Vllm => 3,
+            EngineKind::Sglang => 4,
+            EngineKind::SglangNative => 5,
+        };
+        &PROFILES[at]
     }
 
     /// The kind a flag or record names (`trtllm`, `openengine`, `vllm`,
@@ -433,5 +440,18 @@ pub(crate) async fn bounded<T>(
             call,
             after: llm_sidecar_core::HumanDuration(bound).to_string(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_its_own_profile_and_is_found_by_its_name() {
+        for profile in &PROFILES {
+            assert_eq!(profile.kind.profile().kind, profile.kind);
+            assert_eq!(EngineKind::from_name(profile.name), Some(profile.kind));
+        }
     }
 }

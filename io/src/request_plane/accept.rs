@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 use super::Plane;
 use super::calls::Calls;
 use super::frame_watch::{FrameWatch, Watched};
-use crate::exit_bounds::{GOAWAY_FLUSH, LINGER};
+use crate::exit_bounds::{CLOSE_LINGER, GOAWAY_FLUSH};
 use crate::tls::ServerTls;
 
 /// How long a caller gets to finish the TLS handshake.
@@ -302,7 +302,7 @@ where
 
 /// A connection that closes the way a careful HTTP server closes one:
 /// half-close (FIN after the last frame), then read and discard whatever the
-/// caller still sends until it closes its side too, for at most [`LINGER`].
+/// caller still sends until it closes its side too, for at most [`CLOSE_LINGER`].
 ///
 /// Why: closing a socket that holds unread bytes makes the kernel send a TCP
 /// reset instead of a FIN. At the sidecar's exit a busy caller has always sent
@@ -363,12 +363,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for LingeringClose<S> {
     }
 
     /// Shuts the write side, then completes when the caller has closed its
-    /// side, its connection failed, or [`LINGER`] passed.
+    /// side, its connection failed, or [`CLOSE_LINGER`] passed.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         if this.linger.is_none() {
             ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
-            this.linger = Some(Box::pin(tokio::time::sleep(LINGER)));
+            this.linger = Some(Box::pin(tokio::time::sleep(CLOSE_LINGER)));
         }
         let mut scratch = [0u8; 4096];
         loop {

@@ -55,7 +55,7 @@ const MESSAGE_ARRIVAL_WAIT: Duration = REQUEST_START_WAIT;
 
 /// How long the rest of an early-ended call's request is read and dropped
 /// before its stream is let go (see [`linger`]).
-const LINGER: Duration = Duration::from_secs(2);
+const EARLY_END_LINGER: Duration = Duration::from_secs(2);
 
 /// Own-health streams one caller connection may hold: a router watches a
 /// worker with one, a load balancer's checks come one at a time.
@@ -893,11 +893,11 @@ impl Drop for RequestPump {
 /// of such resets: past 1,024 on one connection, h2 sends GOAWAY
 /// ENHANCE_YOUR_CALM, and every other call of that caller dies with it (a
 /// gateway multiplexing its users on one connection would be cut by one).
-/// A request that goes on past [`LINGER`] or the message limit is dropped
+/// A request that goes on past [`EARLY_END_LINGER`] or the message limit is dropped
 /// then (reset).
 fn linger(plane: &Plane, body: RecvStream) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(drain(body, drain_limit(plane), LINGER));
+        runtime.spawn(drain(body, drain_limit(plane), EARLY_END_LINGER));
     }
 }
 

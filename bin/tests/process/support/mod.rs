@@ -336,6 +336,16 @@ pub const KEEPALIVE_ONLY: &[&str] = &[
     "120s",
 ];
 
+/// A runtime for a test's own gRPC and h2 callers: two threads, as many as
+/// the machine the suite is sized for.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 pub mod account;
 pub mod etcd;
 pub mod raw_h2;

@@ -13,7 +13,6 @@ pub const SETTINGS: u8 = 0x4;
 pub const PING: u8 = 0x6;
 pub const GOAWAY: u8 = 0x7;
 pub const WINDOW_UPDATE: u8 = 0x8;
-pub const ACK: u8 = 0x1;
 pub const END_STREAM: u8 = 0x1;
 pub const ENHANCE_YOUR_CALM: u32 = 0xb;
 
