@@ -118,7 +118,13 @@ impl Budget {
     /// about once a second, not at every message).
     pub fn must_clear(&mut self, now: Instant) -> Option<u64> {
         self.refill(now);
-        (self.diverged > 0 && self.tokens >= BURST_BLOCKS / 2).then_some(self.diverged)
+        (self.diverged > 0 && self.short_of_half() == 0).then_some(self.diverged)
+    }
+
+    /// Blocks the bucket lacks to be half full: the level at which a
+    /// dropping rank is cleared and read again.
+    fn short_of_half(&self) -> u64 {
+        (BURST_BLOCKS / 2).saturating_sub(self.tokens)
     }
 
     /// How long the relay should stop reading, at `now`: while the rank is
@@ -128,10 +134,8 @@ impl Budget {
     /// drops the rest at the publisher, and the sequence gap says how many).
     pub fn pause(&mut self, now: Instant) -> Option<Duration> {
         self.refill(now);
-        let short = (BURST_BLOCKS / 2)
-            .checked_sub(self.tokens)
-            .filter(|s| *s > 0)?;
-        (self.diverged > 0)
+        let short = self.short_of_half();
+        (self.diverged > 0 && short > 0)
             .then(|| Duration::from_micros(short.saturating_mul(1_000_000) / BLOCKS_PER_SECOND + 1))
     }
 
@@ -363,11 +367,12 @@ impl Relay {
 
     /// What a relay starts with: a full budget, the publisher just heard.
     fn fresh_state(&self) -> RelayState {
+        let now = Instant::now();
         RelayState {
             normalizer: ZmqEventNormalizer::new(self.block_size),
             worker: WorkerWithDpRank::new(self.worker_id, self.source.rank),
-            budget: Budget::new(self.total_blocks, Instant::now()),
-            last_heard: Instant::now(),
+            budget: Budget::new(self.total_blocks, now),
+            last_heard: now,
             trusted: true,
             undecodable: 0,
             said: Said::default(),
@@ -517,9 +522,9 @@ impl Relay {
                 tracing::info!(
                     rank,
                     "the engine's KV events are within {BLOCKS_PER_SECOND} blocks a second \
-                     again after {dropped} events dropped or messages lost: Dynamo's router forgot this rank's \
-                     blocks and learns them anew as they are stored (said at most once a \
-                     minute; /metrics counts every drop)"
+                     again after {dropped} events dropped or messages lost: Dynamo's router \
+                     forgot this rank's blocks and learns them anew as they are stored (said at \
+                     most once a minute; /metrics counts every drop)"
                 );
             }
         }

@@ -1356,7 +1356,7 @@ fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
         .collect()
 }
 
-/// One Generate of `tokens` through `listen`, given up after a minute.
+/// One Generate of `tokens` through `listen`, given up after 240 s.
 fn generate_or_give_up(listen: SocketAddr, id: &str, tokens: u32) -> Result<usize, (Code, String)> {
     // A hang guard only: the attacks these calls stand beside failed them
     // with an error, never by slowing them. A 4,000-token stream took over

@@ -439,15 +439,13 @@ fn idle_connections_that_exhaust_file_descriptors_are_logged_at_a_bounded_rate_a
     // (on a loaded machine the worker accepts slowly, so a timeout may only
     // mean it has not caught up yet). That the descriptors ran out is shown by
     // what follows: the records expire and the failed accepts are counted.
-    let mut timeouts = 0;
-    let idle: Vec<TcpStream> = (0..400)
-        .filter_map(|_| {
-            (timeouts < 3).then_some(())?;
-            let c = TcpStream::connect_timeout(&port, Duration::from_secs(2)).ok();
-            timeouts += usize::from(c.is_none());
-            c
-        })
-        .collect();
+    let (mut idle, mut timeouts) = (Vec::new(), 0);
+    while idle.len() < 400 && timeouts < 3 {
+        match TcpStream::connect_timeout(&port, Duration::from_secs(2)) {
+            Ok(c) => idle.push(c),
+            Err(_) => timeouts += 1,
+        }
+    }
     eprintln!("{} idle connections open", idle.len());
     // The records expire (10 s without their owner touching them) and the
     // frontend drops the model.
