@@ -63,6 +63,23 @@ if [ "$dynamo" = 1 ] && ! "$dynamo_venv/bin/python" -c 'import dynamo.frontend' 
   "$dynamo_venv/bin/pip" install --quiet packaging pyyaml msgspec
 fi
 
+# The engines' own gRPC servers as they ship on PyPI, for the shipped-server
+# tests (bin/tests/process/shipped_servers.rs): SGLang 0.5.23's wheel without
+# its GPU dependencies (its Rust gRPC server and Python bridge run; the test's
+# script stands in for the engine core), and the light modules the bridge's
+# imports reach. Versions pinned as tested.
+engines_venv=target/engines-venv
+engines_modules='["sglang", "fastapi", "msgspec", "orjson", "pybase64", "numpy", "psutil", "requests", "PIL"]'
+if ! "$engines_venv/bin/python" -c "import importlib.util as u; assert all(u.find_spec(m) for m in $engines_modules)" 2>/dev/null; then
+  log "installing SGLang 0.5.23's server into $engines_venv (pip)"
+  python3 -m venv "$engines_venv"
+  "$engines_venv/bin/pip" install --quiet --no-deps sglang==0.5.23
+  "$engines_venv/bin/pip" install --quiet fastapi==0.165.0 pydantic==2.14.4 msgspec==0.23.0 \
+    orjson==3.13.0 packaging==26.4 pybase64==1.5.1 numpy==2.4.6 psutil==7.2.2 requests==2.34.2 \
+    pillow==13.0.0
+fi
+export LLM_SIDECAR_ENGINES_PYTHON="$PWD/$engines_venv/bin/python"
+
 log "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -545,7 +545,17 @@ impl Driver {
                     token.clone(),
                 ));
             }
-            Following::Poll => {
+            Following::EngineState if self.config.liveness_service.is_none() => {
+                tokio::spawn(engine::sglang_native::follow_state(
+                    channel.clone(),
+                    t.health_poll_interval,
+                    t.connect_attempt_timeout,
+                    ready.connection.clone(),
+                    self.events.clone(),
+                    token.clone(),
+                ));
+            }
+            Following::Poll | Following::EngineState => {
                 tokio::spawn(engine::monitors::poll_health(
                     channel.clone(),
                     service,

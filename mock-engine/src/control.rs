@@ -99,6 +99,14 @@ fn route(state: &State, req: &Request) -> Response {
             let _ = state.watch_control.send(WatchControl::End);
             Response::text(200, "watch streams ended\n")
         }
+        "/pause" => match req.param("on") {
+            Some(on @ ("true" | "false")) => {
+                state.paused.store(on == "true", Ordering::Release);
+                state.changed.send_modify(|v| *v += 1);
+                Response::text(200, format!("paused = {on}\n"))
+            }
+            _ => Response::text(400, "on must be true or false\n"),
+        },
         "/watch/hold" => match req.param("on") {
             Some(on @ ("true" | "false")) => {
                 let hold = on == "true";
@@ -195,7 +203,12 @@ fn route(state: &State, req: &Request) -> Response {
                 "info_calls": c.info_calls.load(Ordering::Relaxed),
                 "watch_streams": c.watch_streams.load(Ordering::Relaxed),
                 "connections": c.connections.load(Ordering::Relaxed),
-                "instance_id": state.instance_id,
+                // The id its kind's API names the process by.
+                "instance_id": if state.config.kind == crate::EngineKind::SglangNative {
+                    state.start_unix_nanos.to_string()
+                } else {
+                    state.instance_id.clone()
+                },
                 "seen_ids": *lock(&state.seen_ids),
                 "cancelled_ids": *lock(&state.cancelled_ids),
                 "asked": *lock(&state.asked),

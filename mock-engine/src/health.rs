@@ -48,10 +48,6 @@ impl tonic_health::pb::health_server::Health for Health {
     ) -> Result<Response<WatchStream>, Status> {
         let service = request.into_inner().service;
         let state = self.state.clone();
-        // SGLang's native server answers Check only.
-        if state.config.kind == EngineKind::SglangNative {
-            return Err(Status::unimplemented("Watch is not supported; use Check"));
-        }
         // vLLM's native server runs tonic-health, which fails a Watch on an
         // unregistered name NOT_FOUND.
         let tonic_health = state.config.kind == EngineKind::VllmNative;
@@ -88,6 +84,7 @@ impl tonic_health::pb::health_server::Health for Health {
             // stream; SGLang fails an unknown service NOT_FOUND after it.
             match state.config.kind {
                 EngineKind::Trtllm | EngineKind::OpenEngine | EngineKind::VllmNative => {}
+                // (SGLang's native server has no grpc.health.v1 at all.)
                 EngineKind::Vllm | EngineKind::SglangNative => return,
                 EngineKind::Sglang => {
                     if last == ServingStatus::ServiceUnknown as i32 {

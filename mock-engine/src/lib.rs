@@ -6,7 +6,8 @@
 //! generates deterministic token ids at a set pace and serves `grpc.health.v1`
 //! with a health service of its own, shaped as the kind's real one: streaming
 //! Watch for TensorRT-LLM (`""`, `liveness`, `inference`), one message then
-//! the end for vLLM and SGLang (`""` and the engine's service), warm-up
+//! the end for vLLM and SGLang (`""` and the engine's service), none for
+//! SGLang's native server (its `HealthCheck` and `WatchEngineState`), warm-up
 //! NOT_SERVING, a port that opens only once "the model loaded". A small HTTP
 //! control endpoint changes its behaviour while it runs; see [`control`].
 
@@ -221,6 +222,10 @@ pub(crate) struct State {
     pub(crate) stopping: AtomicBool,
     /// OpenEngine's per-process instance id, `<host>-<pid>-<ms>`.
     pub(crate) instance_id: String,
+    /// SGLang's native per-process instance id: its start in Unix nanoseconds.
+    pub(crate) start_unix_nanos: u64,
+    /// SGLang's native `is_pause` (`/pause?on=`): generation paused.
+    pub(crate) paused: AtomicBool,
     /// When the mock started (uptime).
     pub(crate) started: std::time::Instant,
     /// When the mock started, in whole Unix seconds (SGLang's `start_time`).
@@ -340,9 +345,13 @@ pub(crate) fn liveness_service(kind: EngineKind) -> &'static str {
     kind.profile().liveness_service
 }
 
-/// The services a kind registers in grpc.health.v1, as its real server does.
+/// The services a kind registers in grpc.health.v1, as its real server does
+/// (SGLang's native server registers none: its statuses are the mock's own
+/// record of whether it is healthy, which its HealthCheck and
+/// WatchEngineState read).
 fn health_services(config: &MockConfig) -> Vec<&'static str> {
     match (config.kind, config.health) {
+        (EngineKind::SglangNative, _) => vec![liveness_service(config.kind)],
         (_, HealthMode::Absent) => vec![],
         (EngineKind::Trtllm | EngineKind::OpenEngine, HealthMode::Full) => {
             vec!["", "liveness", "inference"]
@@ -350,13 +359,10 @@ fn health_services(config: &MockConfig) -> Vec<&'static str> {
         (EngineKind::Trtllm | EngineKind::OpenEngine, HealthMode::LivenessUnregistered) => {
             vec!["", "inference"]
         }
-        (EngineKind::Vllm | EngineKind::Sglang | EngineKind::SglangNative, HealthMode::Full) => {
+        (EngineKind::Vllm | EngineKind::Sglang, HealthMode::Full) => {
             vec!["", liveness_service(config.kind)]
         }
-        (
-            EngineKind::Vllm | EngineKind::Sglang | EngineKind::SglangNative,
-            HealthMode::LivenessUnregistered,
-        ) => vec![""],
+        (EngineKind::Vllm | EngineKind::Sglang, HealthMode::LivenessUnregistered) => vec![""],
         // vLLM's Rust frontend registers both of its services, and "".
         (EngineKind::VllmNative, HealthMode::Full) => vec!["", "vllm.Inference", "vllm.Control"],
         (EngineKind::VllmNative, HealthMode::LivenessUnregistered) => vec!["", "vllm.Control"],
@@ -409,10 +415,11 @@ pub async fn run(
         _ => None,
     };
     let started = std::time::Instant::now();
-    let start_unix_secs = std::time::SystemTime::now()
+    let since_epoch = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs() as i64;
+        .unwrap_or_default();
+    let start_unix_secs = since_epoch.as_secs() as i64;
+    let start_unix_nanos = u64::try_from(since_epoch.as_nanos()).unwrap_or(u64::MAX);
 
     let first = if config.warmup.is_zero() {
         SERVING
@@ -443,6 +450,8 @@ pub async fn run(
         end_without_trailers: AtomicBool::new(false),
         stopping: AtomicBool::new(false),
         instance_id: instance_id(),
+        start_unix_nanos,
+        paused: AtomicBool::new(false),
         started,
         start_unix_secs,
         load_mode: Mutex::new(if config.load_unimplemented {
@@ -551,7 +560,9 @@ pub async fn run(
                 },
             )
         }));
-    if config.health != HealthMode::Absent {
+    // SGLang's native server serves no grpc.health.v1 (its health is its own
+    // HealthCheck and WatchEngineState, which read the same statuses).
+    if config.health != HealthMode::Absent && kind != EngineKind::SglangNative {
         router = router.add_service(health::TrailerSwitch::new(
             tonic_health::pb::health_server::HealthServer::new(health::Health {
                 state: state.clone(),

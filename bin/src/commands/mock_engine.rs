@@ -67,7 +67,8 @@ pub struct MockArgs {
     #[arg(long)]
     pub seed_by_prompt: bool,
     /// Serve no grpc.health.v1 at all (like an OpenEngine server before
-    /// TensorRT-LLM #20437).
+    /// TensorRT-LLM #20437); with `--kind sglang-native`, no WatchEngineState
+    /// (a native server older than it, with HealthCheck alone).
     #[arg(long, conflicts_with = "liveness_unregistered")]
     pub no_health: bool,
     /// Serve grpc.health.v1 without the liveness service until the control endpoint sets it.

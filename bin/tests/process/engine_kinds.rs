@@ -529,7 +529,7 @@ fn sigkill_is_a_loss(kind: Kind, reasons: &[&str]) {
     let dir = TempDir::new(&format!("kill-{}", kind.flag));
     let (mock, mut sidecar) = serving_kind(&dir, kind, &[], &[]);
     let instance = match kind.flag {
-        "openengine" | "vllm-native" => mock.instance_id(),
+        "openengine" | "vllm-native" | "sglang-native" => mock.instance_id(),
         _ => sidecar.instance_id(),
     };
     mock.proc.signal("KILL");
@@ -683,7 +683,7 @@ fn auto_finds_vllm_native_and_registers_its_instance_id() {
 #[test]
 fn auto_finds_sglang_native_and_reads_its_json_info() {
     let dir = TempDir::new("kind-sglang-native");
-    let (_mock, mut sidecar) = serving_kind(
+    let (mock, mut sidecar) = serving_kind(
         &dir,
         SGLANG_NATIVE,
         &["--model-id", "acme/s-8b", "--engine-version", "0.5.17"],
@@ -691,11 +691,14 @@ fn auto_finds_sglang_native_and_reads_its_json_info() {
     );
     let r = sidecar.record(&sidecar.records()[0]);
     assert_eq!(r["engine"]["kind"], "sglang-native", "{r}");
-    assert_eq!(r["engine"]["version"], "0.5.17", "{r}");
+    // SGLang 0.5.23's gRPC API carries no version (its document has no key).
+    assert_eq!(r["engine"]["version"], "unknown", "{r}");
+    // WatchEngineState's instance_id is its identity.
+    assert_eq!(r["engine"]["identity"], mock.instance_id().as_str(), "{r}");
     assert_eq!(r["model"]["name"], "acme/s-8b", "{r}");
     assert_eq!(r["model"]["max_input_len"], 4096, "{r}");
     assert_eq!(r["model"]["max_seq_len"], 8192, "{r}");
-    // Its Watch is UNIMPLEMENTED: Check is polled, which is no loss and no warning.
+    // WatchEngineState streams: seconds of serving are no loss and no warning.
     std::thread::sleep(Duration::from_secs(2));
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
     assert_eq!(
@@ -723,19 +726,105 @@ fn vllm_native_not_serving_is_a_loss_named_by_its_instance_id() {
 }
 
 #[test]
-fn sglang_native_not_serving_is_a_polled_loss() {
+fn sglang_native_unhealthy_is_a_loss_by_its_engine_state() {
     let dir = TempDir::new("sglang-native-not-serving");
     let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &[], &[]);
-    let id = sidecar.instance_id();
+    let instance = mock.instance_id();
     mock.control("/liveness?status=2");
-    assert_engine_lost(&mut sidecar, "SGLang", &id, "liveness reported NOT_SERVING");
+    assert_engine_lost(
+        &mut sidecar,
+        "SGLang",
+        &instance,
+        "liveness reported NOT_SERVING",
+    );
+    let log = sidecar.proc.log_text();
+    assert!(
+        log.contains("the SGLang engine reports itself unhealthy (WatchEngineState)"),
+        "{log}"
+    );
+}
+
+#[test]
+fn sglang_native_pause_is_said_and_no_loss() {
+    let dir = TempDir::new("sglang-native-pause");
+    let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &[], &[]);
+    mock.control("/pause?on=true");
+    sidecar
+        .proc
+        .wait_for_line("the SGLang engine's generation is paused", HANG);
+    mock.control("/pause?on=false");
+    sidecar
+        .proc
+        .wait_for_line("the SGLang engine's generation continues", HANG);
+    assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
+    assert_eq!(sidecar.records().len(), 1, "still registered");
+    assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+/// A native server older than WatchEngineState: its HealthCheck is polled and
+/// its connection followed, said once; unhealthy is a loss, and so is its
+/// process going (by the connection, before any stale-load window).
+#[test]
+fn sglang_native_without_its_state_stream_is_followed_by_health_check_and_connection() {
+    for (fault, reasons) in [
+        ("unhealthy", &["liveness reported NOT_SERVING"][..]),
+        (
+            "kill",
+            &["engine connection lost", "health check failed"][..],
+        ),
+    ] {
+        let dir = TempDir::new(&format!("sglang-native-older-{fault}"));
+        let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &["--no-health"], &[]);
+        sidecar
+            .proc
+            .wait_for_line("does not serve WatchEngineState", HANG);
+        let r = sidecar.record(&sidecar.records()[0]);
+        assert!(
+            r["engine"]["identity"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("sglang unknown model=")),
+            "no instance id: the self-description stands for it: {r}"
+        );
+        let id = sidecar.instance_id();
+        if fault == "kill" {
+            mock.proc.signal("KILL");
+        } else {
+            mock.control("/liveness?status=2");
+        }
+        let code = sidecar.proc.wait_exit(HANG);
+        let log = sidecar.proc.log_text();
+        assert_eq!(code, 1, "{fault}: {log}");
+        let line = log
+            .lines()
+            .find(|l| l.contains(" engine lost: "))
+            .unwrap_or_else(|| panic!("{fault}: no loss line:\n{log}"));
+        assert!(
+            reasons
+                .iter()
+                .any(|r| line.contains(&format!("SGLang engine lost: {r}"))),
+            "{fault}: {line} is one of {reasons:?}"
+        );
+        assert!(line.ends_with(&format!("(instance {id})")), "{line}");
+        assert!(sidecar.records().is_empty(), "{fault}: withdrawn");
+    }
+}
+
+#[test]
+fn sglang_native_engine_state_stream_ending_is_a_loss() {
+    let dir = TempDir::new("sglang-native-state-end");
+    let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &[], &[]);
+    let instance = mock.instance_id();
+    mock.control("/watch/end");
+    assert_engine_lost(&mut sidecar, "SGLang", &instance, "liveness stream ended");
 }
 
 #[test]
 fn sglang_native_get_load_stalling_is_a_stale_load_loss() {
     let dir = TempDir::new("sglang-native-stale");
     let (mock, mut sidecar) = serving_kind(&dir, SGLANG_NATIVE, &[], &["--stale-after", "2s"]);
-    let id = sidecar.instance_id();
+    let id = mock.instance_id();
     mock.control("/getload?mode=stall");
     assert_engine_lost(&mut sidecar, "SGLang", &id, "routing load stale for 2");
 }
@@ -746,11 +835,8 @@ fn sigkill_of_vllm_native_is_a_loss() {
 }
 
 #[test]
-fn sigkill_of_sglang_native_is_a_loss_by_its_connection() {
-    sigkill_is_a_loss(
-        SGLANG_NATIVE,
-        &["engine connection lost", "health check failed"],
-    );
+fn sigkill_of_sglang_native_is_a_loss() {
+    sigkill_is_a_loss(SGLANG_NATIVE, &["liveness stream failed"]);
 }
 
 #[test]
@@ -763,11 +849,13 @@ fn a_first_start_facing_not_serving_writes_no_record_then_registers_on_serving()
         let line = sidecar
             .proc
             .wait_for_line("not ready yet (warming up", HANG);
-        assert!(
-            line.contains("reports NOT_SERVING"),
-            "{}: {line}",
-            kind.flag
-        );
+        // SGLang's native server says it through its own HealthCheck.
+        let said = if kind.flag == "sglang-native" {
+            "HealthCheck\" reports healthy=false"
+        } else {
+            "reports NOT_SERVING"
+        };
+        assert!(line.contains(said), "{}: {line}", kind.flag);
         std::thread::sleep(Duration::from_secs(1));
         assert!(
             sidecar.proc.running(),

@@ -1,5 +1,6 @@
 //! The process tests: the real `llm-sidecar` binary against real servers on
-//! loopback (the mock engine, etcd, nginx for the benchmarks), checked the way
+//! loopback (the mock engine, the engines' own servers from PyPI, etcd, nginx for
+//! the benchmarks), checked the way
 //! an operator would look: the discovery entry, the exit code, the log lines.
 //!
 //! One test binary with a module per suite: one link instead of ten, and the
@@ -23,4 +24,5 @@ mod probe;
 mod rejoin;
 mod request_plane;
 mod security;
+mod shipped_servers;
 mod termination;

@@ -2,7 +2,8 @@
 //!
 //! An [`EngineProfile`] holds everything kind-specific as data: the names,
 //! the API's service and health RPC, how liveness is followed (a Watch that
-//! streams, or a Check polled because the kind's Watch ends after one message),
+//! streams, a Check polled because the kind's Watch ends after one message, or
+//! SGLang's own state stream),
 //! whether start-up waits out a NOT_SERVING warm-up, and whether the engine's
 //! connection is its identity. The calls of each kind live in their own file
 //! (`trtllm.rs`, `openengine.rs`, `vllm.rs`, `sglang.rs`, `vllm_native.rs`,
@@ -16,7 +17,7 @@ pub(crate) mod detect;
 pub(crate) mod monitors;
 mod openengine;
 mod sglang;
-mod sglang_native;
+pub(crate) mod sglang_native;
 pub(crate) mod startup;
 mod trtllm;
 mod vllm;
@@ -66,6 +67,10 @@ pub enum Following {
     /// `grpc.health.v1.Health/Check` every `--health-poll-interval`: the
     /// engine's Watch sends one message and ends, which is not a loss there.
     Poll,
+    /// SGLang's native `WatchEngineState` stream (the server serves no
+    /// grpc.health.v1), its `HealthCheck` polled where the stream is not
+    /// served; `--liveness-service` turns back to a polled grpc.health.v1.
+    EngineState,
 }
 
 /// Everything kind-specific the sidecar needs, as data.
@@ -155,10 +160,13 @@ pub const PROFILES: [EngineProfile; 6] = [
         display_name: "SGLang",
         service: "sglang.runtime.v1.SglangService",
         health_rpc: Some("/sglang.runtime.v1.SglangService/HealthCheck"),
-        // Its Watch is UNIMPLEMENTED ("use Check"): Check is polled.
+        // Followed through its own WatchEngineState; this name is used only
+        // when --liveness-service asks for grpc.health.v1.
         liveness_service: "sglang.runtime.v1.SglangService",
-        following: Following::Poll,
-        connection_is_identity: true,
+        following: Following::EngineState,
+        // WatchEngineState's instance_id is its identity; a server without
+        // that stream has its connection followed in its place.
+        connection_is_identity: false,
     },
 ];
 

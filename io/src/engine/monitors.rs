@@ -19,7 +19,7 @@ use super::{ConnectionWatch, EngineError, EngineKind, probe as probe_once};
 
 /// A stream that ended without trailers surfaces in tonic ≥ 0.14.6 as Unknown
 /// "missing grpc-status trailer": that is a stream end, not a failure.
-fn observe_status(status: &tonic::Status) -> LivenessObservation {
+pub(super) fn observe_status(status: &tonic::Status) -> LivenessObservation {
     if status.code() == tonic::Code::Unknown && status.message().contains("missing grpc-status") {
         LivenessObservation::StreamEnded
     } else {

@@ -1,20 +1,35 @@
 //! SGLang's native gRPC server (`sglang.runtime.v1.SglangService`, v0.5.16 and
 //! later). Its info RPCs answer JSON documents: `GetModelInfo` the model path,
-//! `GetServerInfo` the version, the served name and the context length. It
-//! carries no per-process identity, so the monitors' connection stands for it
-//! (the profile's `connection_is_identity`); `GetLoad` answering at all is the
-//! fresh-load signal.
+//! `GetServerInfo` the served name and the context length (SGLang 0.5.23's
+//! document has no `version`: its HTTP `/server_info` adds one, its gRPC
+//! server does not, so the version is "unknown" unless a server sends it).
+//!
+//! It serves no grpc.health.v1: its health is `HealthCheck` and the server
+//! stream `WatchEngineState` (the current state, then one message per change:
+//! `healthy`, `is_pause`, the per-process `instance_id`). That stream is what
+//! is followed ([`follow_state`]); its `instance_id` is the identity. A server
+//! without the stream has its `HealthCheck` polled and its connection stands
+//! for its identity; one without either is followed by its connection alone.
+//! `GetLoad` answering at all is the fresh-load signal.
 
 use std::time::Duration;
 
+use llm_sidecar_core::{Event, HumanDuration, LivenessObservation};
 use llm_sidecar_engine_api::sglang_runtime::sglang_service_client::SglangServiceClient;
 use llm_sidecar_engine_api::sglang_runtime::{
-    GetLoadRequest, GetModelInfoRequest, GetServerInfoRequest,
+    EngineState, GetLoadRequest, GetModelInfoRequest, GetServerInfoRequest, HealthCheckRequest,
+    WatchEngineStateRequest,
 };
 use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
 
-use super::{EngineError, EngineInfo, EngineKind, Probed, UNKNOWN_VERSION, bounded};
+use super::monitors::watch_connection;
+use super::{
+    ConnectionWatch, EngineError, EngineInfo, EngineKind, Probed, UNKNOWN_VERSION, bounded,
+};
 use crate::discovery::ModelRecord;
 
 /// A JSON document the server sent, as an object; anything else reads as empty
@@ -70,13 +85,18 @@ pub(super) async fn read_info(
     let context = count(&server_doc, "context_length").unwrap_or(0);
     let max_input = count(&server_doc, "max_req_input_len").unwrap_or(context);
     let version = text(&server_doc, "version").unwrap_or_else(|| UNKNOWN_VERSION.to_string());
+    let mut unserved = Vec::new();
+    let instance_id = super::optional(first_state(channel, bound).await, &mut unserved)?
+        .map(|state| state.instance_id.to_string());
     Ok(EngineInfo {
         kind: EngineKind::SglangNative,
         display_name: EngineKind::SglangNative.profile().display_name.to_string(),
-        identity: format!("sglang {version} model={name} context_length={context}"),
+        identity: instance_id
+            .clone()
+            .unwrap_or_else(|| format!("sglang {version} model={name} context_length={context}")),
         version,
-        instance_id: None,
-        unserved: Vec::new(),
+        instance_id,
+        unserved,
         model: ModelRecord {
             name,
             max_input_len: max_input,
@@ -98,5 +118,243 @@ pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
     Probed {
         fresh,
         identity: None,
+    }
+}
+
+/// The first message of `WatchEngineState`: the state now.
+async fn first_state(channel: &Channel, bound: Duration) -> Result<EngineState, EngineError> {
+    const CALL: &str = "WatchEngineState";
+    let mut client = SglangServiceClient::new(channel.clone());
+    let first = async {
+        let mut stream = client
+            .watch_engine_state(WatchEngineStateRequest {})
+            .await?
+            .into_inner();
+        stream.message().await
+    };
+    match tokio::time::timeout(bound, first).await {
+        Ok(Ok(Some(state))) => Ok(state),
+        Ok(Ok(None)) => Err(EngineError::Call {
+            call: CALL,
+            code: tonic::Code::Unavailable,
+            message: "the stream ended before its first message".into(),
+        }),
+        Ok(Err(status)) => Err(EngineError::Call {
+            call: CALL,
+            code: status.code(),
+            message: status.message().to_string(),
+        }),
+        Err(_) => Err(EngineError::Timeout {
+            call: CALL,
+            after: HumanDuration(bound).to_string(),
+        }),
+    }
+}
+
+/// Whether the server says it is healthy now (`HealthCheck`): start-up waits
+/// for it, as SGLang answers unhealthy through its warm-up.
+pub(super) async fn healthy(channel: &Channel, bound: Duration) -> Result<bool, EngineError> {
+    let mut client = SglangServiceClient::new(channel.clone());
+    bounded(
+        "HealthCheck",
+        bound,
+        client.health_check(HealthCheckRequest {}),
+    )
+    .await
+    .map(|answer| answer.healthy)
+}
+
+/// `healthy` as the core reads liveness: SERVING or NOT_SERVING.
+fn as_status(healthy: bool) -> LivenessObservation {
+    LivenessObservation::Status(if healthy {
+        ServingStatus::Serving as i32
+    } else {
+        ServingStatus::NotServing as i32
+    })
+}
+
+/// Where the followed state stands, for the lines said on a change.
+struct Seen {
+    healthy: Option<bool>,
+    paused: bool,
+}
+
+impl Seen {
+    /// Says what one message changed, and hands the core its observations:
+    /// health as liveness, the instance id as the identity now answering. A
+    /// pause is an operator's action (PauseGeneration), not a failure: it is
+    /// said, and the worker stays registered (calls wait for
+    /// ContinueGeneration, as they would behind any router).
+    fn observe(&mut self, state: &EngineState) -> [Event; 2] {
+        if self.healthy.is_some_and(|was| was != state.healthy) && !state.healthy {
+            tracing::info!(
+                revision = state.revision,
+                "the SGLang engine reports itself unhealthy (WatchEngineState)"
+            );
+        }
+        self.healthy = Some(state.healthy);
+        if state.is_pause != self.paused {
+            self.paused = state.is_pause;
+            if state.is_pause {
+                tracing::warn!(
+                    revision = state.revision,
+                    "the SGLang engine's generation is paused (PauseGeneration): calls wait \
+                     until it continues; the worker stays registered"
+                );
+            } else {
+                tracing::info!(
+                    revision = state.revision,
+                    "the SGLang engine's generation continues"
+                );
+            }
+        }
+        [
+            Event::Liveness(as_status(state.healthy)),
+            Event::IdentityObserved {
+                identity: state.instance_id.to_string(),
+            },
+        ]
+    }
+}
+
+/// Follows the server's liveness until it is lost or `cancel` fires:
+/// `WatchEngineState` where it is served (healthy to unhealthy, the stream's
+/// end and its failure are the core's to judge, as a Watch's are); else
+/// `HealthCheck` every `every` and the connection; else the connection alone.
+pub(crate) async fn follow_state(
+    channel: Channel,
+    every: Duration,
+    bound: Duration,
+    connection: ConnectionWatch,
+    events: mpsc::Sender<Event>,
+    cancel: CancellationToken,
+) {
+    let mut client = SglangServiceClient::new(channel.clone());
+    let open = async {
+        let mut stream = client
+            .watch_engine_state(WatchEngineStateRequest {})
+            .await?
+            .into_inner();
+        let first = stream.message().await;
+        Ok::<_, tonic::Status>((stream, first))
+    };
+    let opened = tokio::select! {
+        () = cancel.cancelled() => return,
+        opened = tokio::time::timeout(bound, open) => opened,
+    };
+    let send = |event: Event| {
+        let events = events.clone();
+        async move { events.send(event).await.is_ok() }
+    };
+    let mut seen = Seen {
+        healthy: None,
+        paused: false,
+    };
+    let (mut stream, first) = match opened {
+        Err(_) => {
+            send(Event::Liveness(LivenessObservation::NotOpened {
+                waited: bound,
+            }))
+            .await;
+            return;
+        }
+        Ok(Err(status))
+            if matches!(
+                status.code(),
+                tonic::Code::Unimplemented | tonic::Code::NotFound
+            ) =>
+        {
+            return poll_health_check(channel, every, bound, connection, events, cancel).await;
+        }
+        Ok(Err(status)) => {
+            send(Event::Liveness(super::monitors::observe_status(&status))).await;
+            return;
+        }
+        Ok(Ok(opened)) => opened,
+    };
+    let mut next = first;
+    loop {
+        match next {
+            Ok(Some(state)) => {
+                for event in seen.observe(&state) {
+                    if !send(event).await {
+                        return;
+                    }
+                }
+            }
+            Ok(None) => {
+                send(Event::Liveness(LivenessObservation::StreamEnded)).await;
+                return;
+            }
+            Err(status) => {
+                send(Event::Liveness(super::monitors::observe_status(&status))).await;
+                return;
+            }
+        }
+        next = tokio::select! {
+            () = cancel.cancelled() => return,
+            next = stream.message() => next,
+        };
+    }
+}
+
+/// A server without `WatchEngineState`: its `HealthCheck` every `every`
+/// (the first answer and each change reported; a failure once, and the
+/// poll ends) and its connection, which stands for its identity. Without
+/// `HealthCheck` either, the connection alone.
+async fn poll_health_check(
+    channel: Channel,
+    every: Duration,
+    bound: Duration,
+    connection: ConnectionWatch,
+    events: mpsc::Sender<Event>,
+    cancel: CancellationToken,
+) {
+    tokio::spawn(watch_connection(connection, events.clone(), cancel.clone()));
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = None;
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let answer = tokio::select! {
+            () = cancel.cancelled() => return,
+            answer = healthy(&channel, bound) => answer,
+        };
+        let observation = match answer {
+            Ok(now) if last == Some(now) => continue,
+            Ok(now) => {
+                if last.is_none() {
+                    tracing::info!(
+                        "the SGLang server does not serve WatchEngineState (older than 0.5.23): \
+                         its HealthCheck is polled every {} and its connection followed",
+                        HumanDuration(every)
+                    );
+                }
+                last = Some(now);
+                as_status(now)
+            }
+            Err(e) if e.unserved_call().is_some() && last.is_none() => {
+                tracing::warn!(
+                    "the SGLang server serves neither WatchEngineState nor HealthCheck: only its \
+                     connection is followed, so an engine that stops serving with the \
+                     connection open is noticed by its stale load alone"
+                );
+                return;
+            }
+            Err(e) => LivenessObservation::CheckFailed {
+                code: match &e {
+                    EngineError::Call { code, .. } => *code as i32,
+                    _ => tonic::Code::DeadlineExceeded as i32,
+                },
+                message: e.to_string(),
+            },
+        };
+        let healthy_still = matches!(observation, LivenessObservation::Status(s) if s == ServingStatus::Serving as i32);
+        if events.send(Event::Liveness(observation)).await.is_err() || !healthy_still {
+            return;
+        }
     }
 }

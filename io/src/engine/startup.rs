@@ -22,8 +22,8 @@ use tonic_health::pb::health_client::HealthClient;
 
 use super::detect::{Detected, detect, none_served_message};
 use super::{
-    ConnectionWatch, EngineChoice, EngineError, EngineInfo, StreamLimit, bounded, connect,
-    read_info,
+    ConnectionWatch, EngineChoice, EngineError, EngineInfo, Following, StreamLimit, bounded,
+    connect, read_info, sglang_native,
 };
 
 /// The engine answered its start-up calls: what it said, the connection the
@@ -82,6 +82,26 @@ async fn attempt(wait: &StartupWait) -> Result<EngineReady, NotReady> {
     };
     let info = read_info(kind, &channel, wait.attempt_bound).await?;
     let profile = kind.profile();
+    if profile.following == Following::EngineState && wait.liveness_service.is_none() {
+        // SGLang's native server: its own HealthCheck, false through warm-up.
+        match sglang_native::healthy(&channel, wait.attempt_bound).await {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(NotReady::WarmingUp {
+                    service: "sglang.runtime.v1.SglangService/HealthCheck".into(),
+                    status: "healthy=false".into(),
+                    rejoin: wait.rejoin,
+                });
+            }
+            Err(e) if e.unserved_call().is_some() => {}
+            Err(e) => return Err(e.into()),
+        }
+        return Ok(EngineReady {
+            info,
+            channel,
+            connection,
+        });
+    }
     let service = wait
         .liveness_service
         .clone()
