@@ -61,3 +61,28 @@ pub fn serving_status_name(raw: i32) -> String {
         other => other.to_string(),
     }
 }
+
+/// The name of an HTTP/2 error code (RFC 9113 section 7: `NO_ERROR`,
+/// `ENHANCE_YOUR_CALM`, ...), or its number.
+pub fn http2_error_name(code: u32) -> String {
+    const NAMES: [&str; 14] = [
+        "NO_ERROR",
+        "PROTOCOL_ERROR",
+        "INTERNAL_ERROR",
+        "FLOW_CONTROL_ERROR",
+        "SETTINGS_TIMEOUT",
+        "STREAM_CLOSED",
+        "FRAME_SIZE_ERROR",
+        "REFUSED_STREAM",
+        "CANCEL",
+        "COMPRESSION_ERROR",
+        "CONNECT_ERROR",
+        "ENHANCE_YOUR_CALM",
+        "INADEQUATE_SECURITY",
+        "HTTP_1_1_REQUIRED",
+    ];
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| NAMES.get(i))
+        .map_or_else(|| code.to_string(), |name| (*name).to_string())
+}

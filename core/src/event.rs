@@ -2,6 +2,33 @@
 
 use std::time::Duration;
 
+/// How the engine's connection ended, as the IO layer saw it: each its own
+/// loss reason, so that a graceful stop never reads as a network fault.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ConnectionEnd {
+    /// The engine said GOAWAY with this HTTP/2 error code, and the
+    /// connection closed after it: NO_ERROR (0) is a server stopping
+    /// gracefully (grpcio's `server.stop`, tonic's graceful shutdown).
+    GoAway {
+        /// The GOAWAY frame's error code.
+        code: u32,
+    },
+    /// The engine closed the connection (end of stream) without a GOAWAY.
+    Closed,
+    /// The connection was reset (its host answered with RST: the process
+    /// died with the socket open, or a middlebox dropped it).
+    Reset,
+    /// The connection failed otherwise.
+    Failed {
+        /// The socket's error.
+        error: String,
+    },
+    /// The HTTP/2 layer dropped the connection with nothing from the
+    /// engine: a keepalive ping went unanswered (a frozen engine or a
+    /// silent network).
+    KeepaliveTimeout,
+}
+
 /// Something that happened in the world, told to the core by the IO layer.
 ///
 /// Time passing is not an event: it reaches the core through
@@ -68,8 +95,8 @@ pub enum Event {
     /// The connection the monitors use closed or failed, for an engine whose
     /// API has no identity of its own (that connection is its identity).
     EngineConnectionLost {
-        /// What happened to the connection.
-        error: String,
+        /// How it ended.
+        end: ConnectionEnd,
     },
     /// The number of forwarded calls in flight changed.
     InFlightChanged {

@@ -7,7 +7,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::codes::{grpc_code_name, serving_status_name};
+use crate::codes::{grpc_code_name, http2_error_name, serving_status_name};
+use crate::event::ConnectionEnd;
 use crate::time::HumanDuration;
 
 /// One way the engine can be lost (docs/CONTRACT.md, "What counts as a loss").
@@ -44,10 +45,10 @@ pub enum LossReason {
         /// The status message.
         message: String,
     },
-    /// The connection to an engine that has no identity of its own closed.
+    /// The connection to an engine that has no identity of its own ended.
     EngineConnectionLost {
-        /// What happened to it.
-        error: String,
+        /// How.
+        end: ConnectionEnd,
     },
     /// Another engine answers on the engine's port.
     IdentityChanged {
@@ -69,7 +70,7 @@ pub enum LossReason {
 
 impl LossReason {
     /// Every metric label, in the order `/metrics` lists them.
-    pub const LABELS: [&'static str; 10] = [
+    pub const LABELS: [&'static str; 14] = [
         "liveness_status",
         "liveness_deregistered",
         "liveness_stream_ended",
@@ -78,7 +79,11 @@ impl LossReason {
         "stale_load",
         "identity_changed",
         "health_check_failed",
-        "engine_connection_lost",
+        "engine_goaway",
+        "engine_closed_connection",
+        "engine_connection_reset",
+        "engine_connection_failed",
+        "keepalive_timeout",
         "not_registered",
     ];
 
@@ -93,8 +98,14 @@ impl LossReason {
             LossReason::StaleLoad { .. } => Self::LABELS[5],
             LossReason::IdentityChanged { .. } => Self::LABELS[6],
             LossReason::HealthCheckFailed { .. } => Self::LABELS[7],
-            LossReason::EngineConnectionLost { .. } => Self::LABELS[8],
-            LossReason::NotRegistered { .. } => Self::LABELS[9],
+            LossReason::EngineConnectionLost { end } => match end {
+                ConnectionEnd::GoAway { .. } => Self::LABELS[8],
+                ConnectionEnd::Closed => Self::LABELS[9],
+                ConnectionEnd::Reset => Self::LABELS[10],
+                ConnectionEnd::Failed { .. } => Self::LABELS[11],
+                ConnectionEnd::KeepaliveTimeout => Self::LABELS[12],
+            },
+            LossReason::NotRegistered { .. } => Self::LABELS[13],
         }
     }
 }
@@ -140,9 +151,28 @@ impl fmt::Display for LossReason {
                     grpc_code_name(*code)
                 )
             }
-            LossReason::EngineConnectionLost { error } => {
-                write!(f, "engine connection lost: {error}")
-            }
+            LossReason::EngineConnectionLost { end } => match end {
+                ConnectionEnd::GoAway { code: 0 } => {
+                    f.write_str("engine stopped: it said GOAWAY (NO_ERROR), a graceful stop")
+                }
+                ConnectionEnd::GoAway { code } => write!(
+                    f,
+                    "engine connection lost: the engine said GOAWAY ({})",
+                    http2_error_name(*code)
+                ),
+                ConnectionEnd::Closed => {
+                    f.write_str("engine connection lost: the engine closed the connection")
+                }
+                ConnectionEnd::Reset => {
+                    f.write_str("engine connection lost: the connection was reset")
+                }
+                ConnectionEnd::Failed { error } => {
+                    write!(f, "engine connection lost: connection error: {error}")
+                }
+                ConnectionEnd::KeepaliveTimeout => {
+                    f.write_str("engine connection lost: a keepalive ping went unanswered")
+                }
+            },
             LossReason::NotRegistered {
                 unregistered_for,
                 cause,
@@ -230,10 +260,47 @@ mod tests {
             ),
             (
                 LossReason::EngineConnectionLost {
-                    error: "the engine closed the connection".into(),
+                    end: ConnectionEnd::GoAway { code: 0 },
+                },
+                "engine stopped: it said GOAWAY (NO_ERROR), a graceful stop",
+                "engine_goaway",
+            ),
+            (
+                LossReason::EngineConnectionLost {
+                    end: ConnectionEnd::GoAway { code: 11 },
+                },
+                "engine connection lost: the engine said GOAWAY (ENHANCE_YOUR_CALM)",
+                "engine_goaway",
+            ),
+            (
+                LossReason::EngineConnectionLost {
+                    end: ConnectionEnd::Closed,
                 },
                 "engine connection lost: the engine closed the connection",
-                "engine_connection_lost",
+                "engine_closed_connection",
+            ),
+            (
+                LossReason::EngineConnectionLost {
+                    end: ConnectionEnd::Reset,
+                },
+                "engine connection lost: the connection was reset",
+                "engine_connection_reset",
+            ),
+            (
+                LossReason::EngineConnectionLost {
+                    end: ConnectionEnd::Failed {
+                        error: "broken pipe".into(),
+                    },
+                },
+                "engine connection lost: connection error: broken pipe",
+                "engine_connection_failed",
+            ),
+            (
+                LossReason::EngineConnectionLost {
+                    end: ConnectionEnd::KeepaliveTimeout,
+                },
+                "engine connection lost: a keepalive ping went unanswered",
+                "keepalive_timeout",
             ),
             (
                 LossReason::NotRegistered {

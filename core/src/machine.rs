@@ -483,9 +483,9 @@ impl Worker {
                 }),
                 Some(_) | None => None,
             },
-            Event::EngineConnectionLost { error } => Some(LossReason::EngineConnectionLost {
-                error: error.clone(),
-            }),
+            Event::EngineConnectionLost { end } => {
+                Some(LossReason::EngineConnectionLost { end: end.clone() })
+            }
             Event::EngineReady { .. }
             | Event::Registered
             | Event::RegistrationFailed { .. }

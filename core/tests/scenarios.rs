@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use llm_sidecar_core::{
-    Action, Admission, Config, Event, ExitReason, Health, Level, Lifecycle, LivenessObservation,
-    OnEngineLoss, Phase, Time,
+    Action, Admission, Config, ConnectionEnd, Event, ExitReason, Health, Level, Lifecycle,
+    LivenessObservation, OnEngineLoss, Phase, Time,
 };
 
 fn config() -> Config {
@@ -433,7 +433,7 @@ fn an_engine_without_a_load_rpc_warns_once_has_no_stale_window_and_is_lost_by_it
     let a = d.feed(
         secs(3601),
         Event::EngineConnectionLost {
-            error: "connection reset".into(),
+            end: ConnectionEnd::Reset,
         },
     );
     assert_eq!(d.lc.phase(), Phase::Lost);

@@ -570,7 +570,12 @@ pub async fn run(
             state.clone(),
         ));
     }
-    let server = tokio::spawn(router.serve_with_incoming(incoming));
+    // A graceful stop says GOAWAY (NO_ERROR) on every connection, as grpcio's
+    // server.stop(grace) does, and serves the calls already open.
+    let goaway = CancellationToken::new();
+    let server = tokio::spawn(
+        router.serve_with_incoming_shutdown(incoming, goaway.clone().cancelled_owned()),
+    );
     tracing::info!(
         listen = %config.listen,
         control = %config.control_listen,
@@ -588,8 +593,8 @@ pub async fn run(
         },
     };
     // TensorRT-LLM's graceful stop: refuse new connections, end the health
-    // Watch streams cleanly (a Check now answers NOT_SERVING), let calls run
-    // for the grace, then cancel every open call.
+    // Watch streams cleanly (a Check now answers NOT_SERVING), say GOAWAY,
+    // let calls run for the grace, then cancel every open call.
     accept_stop.cancel();
     state.stopping.store(true, Ordering::Release);
     let _ = state.watch_control.send(WatchControl::End);
@@ -597,8 +602,10 @@ pub async fn run(
     for service in &services {
         state.set_status(service, NOT_SERVING);
     }
+    goaway.cancel();
     tracing::info!(
-        "mock engine stopping: Watch streams ended, NOT_SERVING, cancelling calls in {:?}",
+        "mock engine stopping: Watch streams ended, NOT_SERVING, GOAWAY sent, cancelling calls \
+         in {:?}",
         grace
     );
     tokio::time::sleep(grace).await;

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use llm_sidecar_core::{
-    Action, Admission, Config, Event, ExitReason, Health, Level, Lifecycle, LivenessObservation,
-    OnEngineLoss, Phase, Time,
+    Action, Admission, Config, ConnectionEnd, Event, ExitReason, Health, Level, Lifecycle,
+    LivenessObservation, OnEngineLoss, Phase, Time,
 };
 
 pub mod diagram;
@@ -298,14 +298,12 @@ impl World {
                     },
                 )
             }),
-            A::ConnectionLost => (self.monitors || self.exited).then(|| {
-                Input::Event(
-                    now,
-                    Event::EngineConnectionLost {
-                        error: "the engine closed the connection".into(),
-                    },
-                )
-            }),
+            A::ConnectionLost => (self.monitors || self.exited).then_some(Input::Event(
+                now,
+                Event::EngineConnectionLost {
+                    end: ConnectionEnd::Closed,
+                },
+            )),
             A::CheckFailed => live(LivenessObservation::CheckFailed {
                 code: 14,
                 message: "connection refused".into(),

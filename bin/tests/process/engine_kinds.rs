@@ -259,6 +259,12 @@ fn sglang_warm_up_is_not_a_loss_and_start_time_is_its_identity() {
     let r = sidecar.record(&sidecar.records()[0]);
     assert_eq!(r["engine"]["kind"], "sglang");
     assert_eq!(r["model"]["name"], "acme/s-8b");
+    // smg's servicer reports its KV pool (65,536) as max_context_length: the
+    // record has it as the pool, and the model's 8,192 tokens as the
+    // sequence length (SGLang's max_req_input_len, 8,186, + 6).
+    assert_eq!(r["model"]["kv_cache_tokens"], 65_536, "{r}");
+    assert_eq!(r["model"]["max_seq_len"], 8_192, "{r}");
+    assert_eq!(r["model"]["max_input_len"], 8_186, "{r}");
     let identity = r["engine"]["identity"].as_str().expect("identity");
     assert!(
         identity.starts_with("started 20") && identity.ends_with(".000Z"),
@@ -523,6 +529,26 @@ fn sglang_get_loads_stalling_is_a_stale_load_loss() {
     assert_engine_lost(&mut sidecar, "SGLang", &id, "routing load stale for 2");
 }
 
+/// The smg servicers' graceful stop (NOT_SERVING, then `server.stop(grace)`,
+/// which says GOAWAY NO_ERROR): their connection goes before a Check sees
+/// NOT_SERVING, and the loss line says the engine stopped, not that a
+/// keepalive ping went unanswered; /metrics counts it as `engine_goaway`.
+#[test]
+fn a_graceful_stop_of_vllm_or_sglang_reads_as_the_stop_it_is() {
+    for kind in [VLLM, SGLANG] {
+        let dir = TempDir::new(&format!("graceful-{}", kind.flag));
+        let (mock, mut sidecar) = serving_kind(&dir, kind, &[], &["--health-poll-interval", "5s"]);
+        let id = sidecar.instance_id();
+        mock.control("/stop?grace_ms=2000");
+        let line = sidecar.proc.assert_engine_lost(
+            kind.engine,
+            &id,
+            "engine stopped: it said GOAWAY (NO_ERROR), a graceful stop",
+        );
+        assert!(!line.contains("keepalive"), "{}: {line}", kind.flag);
+    }
+}
+
 // ---- every kind: SIGKILL, and a SIGTERM drain with a call in flight ------------
 
 fn sigkill_is_a_loss(kind: Kind, reasons: &[&str]) {
@@ -698,6 +724,7 @@ fn auto_finds_sglang_native_and_reads_its_json_info() {
     assert_eq!(r["model"]["name"], "acme/s-8b", "{r}");
     assert_eq!(r["model"]["max_input_len"], 4096, "{r}");
     assert_eq!(r["model"]["max_seq_len"], 8192, "{r}");
+    assert_eq!(r["model"]["kv_cache_tokens"], 65_536, "{r}");
     // WatchEngineState streams: seconds of serving are no loss and no warning.
     std::thread::sleep(Duration::from_secs(2));
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());

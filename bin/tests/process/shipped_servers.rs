@@ -199,7 +199,9 @@ fn shipped_sglang_native_registers_after_its_warm_up_with_its_instance_id_and_se
     );
     assert_eq!(r["model"]["name"], "shipped-sglang", "{r}");
     assert_eq!(r["model"]["max_seq_len"], 4096, "{r}");
-    assert_eq!(r["model"]["max_input_len"], 4000, "{r}");
+    assert_eq!(r["model"]["max_input_len"], 4090, "{r}");
+    // The scheduler's info, which the server merges into its document.
+    assert_eq!(r["model"]["kv_cache_tokens"], 65_536, "{r}");
 
     let runtime = rt();
     let direct = runtime.block_on(generate_all(server.grpc, "same-id"));

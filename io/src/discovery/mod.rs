@@ -129,6 +129,11 @@ pub struct ModelRecord {
     pub max_input_len: i64,
     /// Maximum sequence length (input + output) in tokens.
     pub max_seq_len: i64,
+    /// The engine's KV cache, in tokens, where its API says it (SGLang's
+    /// `max_total_num_tokens`): how many tokens all running sequences may
+    /// hold together, which is not the model's sequence length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_tokens: Option<i64>,
 }
 
 /// A worker's discovery record (docs/CONTRACT.md, "Discovery").

@@ -4,9 +4,11 @@
 //! request plane opens another engine connection when every open one is at
 //! that limit, and keeps each caller below it.
 //!
-//! A connection can also be watched: the first time it ends (the engine
-//! closed it, it failed, or it was dropped after a keepalive timeout) the
-//! [`ConnectionWatch`] says so. For engines whose API carries no identity of
+//! A connection can also be watched: the first time it ends the
+//! [`ConnectionWatch`] says how ([`ConnectionEnd`]: after the engine's GOAWAY,
+//! closed by the engine, reset, failed, or dropped by the HTTP/2 layer after
+//! an unanswered keepalive ping). A watched socket reads every frame head
+//! the engine sends for that, and the first 8 bytes of a GOAWAY. For engines whose API carries no identity of
 //! their own, that is how a restart or a death is noticed at once, between
 //! two health polls. And its reads can be bounded per turn of the task that
 //! drives it ([`ReadsPerTurn`]), as the request plane's engine connections
@@ -20,6 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 
 use hyper_util::rt::TokioIo;
+use llm_sidecar_core::ConnectionEnd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tonic::codegen::Service;
@@ -54,7 +57,7 @@ impl StreamLimit {
 
 /// Says once how a watched connection ended.
 #[derive(Debug, Clone)]
-pub struct ConnectionWatch(Arc<tokio::sync::watch::Sender<Option<String>>>);
+pub struct ConnectionWatch(Arc<tokio::sync::watch::Sender<Option<ConnectionEnd>>>);
 
 impl Default for ConnectionWatch {
     fn default() -> Self {
@@ -63,7 +66,7 @@ impl Default for ConnectionWatch {
 }
 
 impl ConnectionWatch {
-    fn ended(&self, how: impl FnOnce() -> String) {
+    fn ended(&self, how: impl FnOnce() -> ConnectionEnd) {
         self.0.send_if_modified(|seen| {
             if seen.is_some() {
                 return false;
@@ -74,7 +77,7 @@ impl ConnectionWatch {
     }
 
     /// Waits until a watched connection ended; how it ended.
-    pub async fn wait(&self) -> String {
+    pub async fn wait(&self) -> ConnectionEnd {
         let mut ended = self.0.subscribe();
         let how = match ended.wait_for(Option::is_some).await {
             Ok(how) => how.clone(),
@@ -125,7 +128,9 @@ impl Service<Uri> for EngineConnector {
                 .map(|a| a.as_str().to_string())
                 .ok_or_else(|| io::Error::other(format!("no host:port in {uri}")))?;
             let mut spy = open(&address, limit).await?;
-            spy.inner_mut().watch = watch;
+            if let Some(watch) = watch {
+                spy.inner_mut().watch(watch);
+            }
             Ok(spy)
         })
     }
@@ -184,6 +189,8 @@ pub struct EngineSocket<S> {
     limit: StreamLimit,
     /// Told once how the connection ended, if it is watched.
     watch: Option<ConnectionWatch>,
+    /// A watched socket's look at every frame, for the engine's GOAWAY.
+    goaway: Option<GoAwayLook>,
     /// Past its allowance, a read waits for the next turn of the task.
     turn: Option<ReadsPerTurn>,
 }
@@ -195,7 +202,24 @@ impl<S> EngineSocket<S> {
             reading: Some((FrameReader::server_side(), SettingsPayload::default(), None)),
             limit,
             watch: None,
+            goaway: None,
             turn: None,
+        }
+    }
+
+    /// Tells `watch` how the connection ends.
+    fn watch(&mut self, watch: ConnectionWatch) {
+        self.watch = Some(watch);
+        self.goaway = Some(GoAwayLook::default());
+    }
+
+    /// How the connection ended, given what the socket saw last: a GOAWAY
+    /// the engine sent before explains any end that follows it.
+    fn end(&self, otherwise: impl FnOnce() -> ConnectionEnd) -> impl FnOnce() -> ConnectionEnd {
+        let said = self.goaway.as_ref().and_then(|g| g.code);
+        move || match said {
+            Some(code) => ConnectionEnd::GoAway { code },
+            None => otherwise(),
         }
     }
 
@@ -254,19 +278,30 @@ impl<S: AsyncRead + Unpin> AsyncRead for EngineSocket<S> {
         if let Some(turn) = &this.turn {
             turn.add(buf.filled().len() - before);
         }
+        if let Ok(()) = &read {
+            if this.reading.is_some() {
+                this.saw(&buf.filled()[before..]);
+            }
+            if let Some(look) = this.goaway.as_mut() {
+                look.saw(&buf.filled()[before..]);
+            }
+        }
         if let Some(watch) = &this.watch {
             match &read {
-                Err(e) => watch.ended(|| format!("connection error: {e}")),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {
+                    watch.ended(this.end(|| ConnectionEnd::Reset));
+                }
+                Err(e) => {
+                    let error = e.to_string();
+                    watch.ended(this.end(|| ConnectionEnd::Failed { error }));
+                }
                 Ok(()) if buf.filled().len() == before && buf.remaining() > 0 => {
-                    watch.ended(|| "the engine closed the connection".to_string());
+                    watch.ended(this.end(|| ConnectionEnd::Closed));
                 }
                 Ok(()) => {}
             }
         }
         read?;
-        if this.reading.is_some() {
-            this.saw(&buf.filled()[before..]);
-        }
         Poll::Ready(Ok(()))
     }
 }
@@ -274,9 +309,57 @@ impl<S: AsyncRead + Unpin> AsyncRead for EngineSocket<S> {
 impl<S> Drop for EngineSocket<S> {
     fn drop(&mut self) {
         if let Some(watch) = &self.watch {
-            // Dropped without an end from the engine: the HTTP/2 layer gave up
-            // on it (a keepalive ping went unanswered: a frozen engine).
-            watch.ended(|| "the connection was dropped (keepalive timeout)".to_string());
+            // Dropped without an end from the engine: after its GOAWAY, the
+            // HTTP/2 layer closing the connection it said it would stop
+            // serving; else the HTTP/2 layer gave up on it (a keepalive ping
+            // went unanswered: a frozen engine).
+            watch.ended(self.end(|| ConnectionEnd::KeepaliveTimeout));
+        }
+    }
+}
+
+/// A watched socket's reading of the engine's frames: the error code of the
+/// last GOAWAY it sent, once its first 8 payload bytes arrived.
+struct GoAwayLook {
+    reader: FrameReader,
+    payload: Vec<u8>,
+    code: Option<u32>,
+}
+
+impl Default for GoAwayLook {
+    fn default() -> Self {
+        GoAwayLook {
+            reader: FrameReader::server_side(),
+            payload: Vec::new(),
+            code: None,
+        }
+    }
+}
+
+impl GoAwayLook {
+    fn saw(&mut self, bytes: &[u8]) {
+        use std::cell::RefCell;
+        // Last-stream-id (4 bytes), then the error code (4 bytes).
+        const HEAD: usize = 8;
+        let payload = RefCell::new(std::mem::take(&mut self.payload));
+        self.reader.feed(
+            bytes,
+            |h| {
+                let goaway = h.kind == kind::GOAWAY;
+                if goaway {
+                    payload.borrow_mut().clear();
+                }
+                goaway
+            },
+            |p| {
+                let mut held = payload.borrow_mut();
+                let room = HEAD.saturating_sub(held.len());
+                held.extend_from_slice(&p[..p.len().min(room)]);
+            },
+        );
+        self.payload = payload.into_inner();
+        if let Ok(code) = <[u8; 4]>::try_from(self.payload.get(4..HEAD).unwrap_or_default()) {
+            self.code = Some(u32::from_be_bytes(code));
         }
     }
 }
@@ -343,5 +426,108 @@ mod tests {
         spy.saw(&frame(kind::SETTINGS, 0, &[]));
         assert_eq!(unlimited.get(), None, "no limit given: unlimited");
         assert!(spy.reading.is_none());
+    }
+
+    /// A socket whose reads are scripted: each item one read.
+    struct Scripted(std::collections::VecDeque<io::Result<Vec<u8>>>);
+
+    impl AsyncRead for Scripted {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            match self.0.pop_front() {
+                Some(Ok(bytes)) => {
+                    buf.put_slice(&bytes);
+                    Poll::Ready(Ok(()))
+                }
+                Some(Err(e)) => Poll::Ready(Err(e)),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    fn goaway(code: u32) -> Vec<u8> {
+        let mut payload = 7u32.to_be_bytes().to_vec();
+        payload.extend(code.to_be_bytes());
+        payload.extend(b"debug data");
+        frame(kind::GOAWAY, 0, &payload)
+    }
+
+    #[test]
+    fn a_goaway_code_is_read_however_the_frame_is_split() {
+        let mut bytes = frame(kind::SETTINGS, 0, &[]);
+        bytes.extend(frame(0x6, 0, &[0; 8]));
+        bytes.extend(goaway(11));
+        for split in 1..=bytes.len() {
+            let mut look = GoAwayLook::default();
+            for chunk in bytes.chunks(split) {
+                look.saw(chunk);
+            }
+            assert_eq!(look.code, Some(11), "split {split}");
+        }
+    }
+
+    /// Reads the script to its end (or its first error), then drops the
+    /// socket; how its watch says the connection ended.
+    fn end_of(script: Vec<io::Result<Vec<u8>>>) -> ConnectionEnd {
+        let watch = ConnectionWatch::default();
+        let mut socket = EngineSocket::new(Scripted(script.into()), StreamLimit::default());
+        socket.watch(watch.clone());
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let mut space = [0u8; 256];
+        loop {
+            let mut buf = ReadBuf::new(&mut space);
+            match Pin::new(&mut socket).poll_read(&mut cx, &mut buf) {
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => break,
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(_)) | Poll::Pending => break,
+            }
+        }
+        drop(socket);
+        let seen = watch.0.borrow().clone();
+        seen.expect("the watch was told")
+    }
+
+    #[test]
+    fn a_watched_connection_says_how_it_ended() {
+        let settings = frame(kind::SETTINGS, 0, &[]);
+        let reset = || io::Error::from(io::ErrorKind::ConnectionReset);
+        let cases = [
+            (
+                vec![Ok(settings.clone()), Ok(vec![])],
+                ConnectionEnd::Closed,
+            ),
+            (
+                vec![Ok(settings.clone()), Ok(goaway(0)), Ok(vec![])],
+                ConnectionEnd::GoAway { code: 0 },
+            ),
+            (
+                vec![Ok(settings.clone()), Err(reset())],
+                ConnectionEnd::Reset,
+            ),
+            (
+                vec![Ok(settings.clone()), Ok(goaway(0)), Err(reset())],
+                ConnectionEnd::GoAway { code: 0 },
+            ),
+            (
+                vec![Ok(settings.clone()), Err(io::Error::other("boom"))],
+                ConnectionEnd::Failed {
+                    error: "boom".into(),
+                },
+            ),
+            // Dropped by the HTTP/2 layer with nothing from the engine.
+            (vec![Ok(settings.clone())], ConnectionEnd::KeepaliveTimeout),
+            // Dropped after the engine's GOAWAY: the stop it said.
+            (
+                vec![Ok(settings.clone()), Ok(goaway(0))],
+                ConnectionEnd::GoAway { code: 0 },
+            ),
+        ];
+        for (script, end) in cases {
+            assert_eq!(end_of(script), end);
+        }
     }
 }

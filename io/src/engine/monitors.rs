@@ -175,11 +175,11 @@ pub(crate) async fn watch_connection(
     events: mpsc::Sender<Event>,
     cancel: CancellationToken,
 ) {
-    let error = tokio::select! {
+    let end = tokio::select! {
         () = cancel.cancelled() => return,
-        error = connection.wait() => error,
+        end = connection.wait() => end,
     };
-    let _ = events.send(Event::EngineConnectionLost { error }).await;
+    let _ = events.send(Event::EngineConnectionLost { end }).await;
 }
 
 /// Probes load freshness every `interval`, the first time at once, and

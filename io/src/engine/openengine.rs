@@ -67,6 +67,7 @@ pub(super) async fn read_info(
             name,
             max_input_len: context,
             max_seq_len: context,
+            kv_cache_tokens: None,
         },
     })
 }

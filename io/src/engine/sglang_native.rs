@@ -101,6 +101,8 @@ pub(super) async fn read_info(
             name,
             max_input_len: max_input,
             max_seq_len: context,
+            // The scheduler's info, merged into the server's document.
+            kv_cache_tokens: count(&server_doc, "max_total_num_tokens"),
         },
     })
 }

@@ -63,6 +63,7 @@ pub(super) async fn read_info(
             name: model.model_id,
             max_input_len: i64::from(model.max_input_len),
             max_seq_len: i64::from(model.max_seq_len),
+            kv_cache_tokens: None,
         },
     })
 }

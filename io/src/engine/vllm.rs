@@ -62,6 +62,7 @@ pub(super) async fn read_info(
             name,
             max_input_len: max_input,
             max_seq_len: i64::from(model.max_context_length),
+            kv_cache_tokens: None,
         },
     })
 }

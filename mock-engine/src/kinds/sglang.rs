@@ -7,16 +7,19 @@ use std::sync::atomic::Ordering;
 use llm_sidecar_engine_api::sglang::generate_response::Response as GenResponse;
 use llm_sidecar_engine_api::sglang::sglang_scheduler_server::SglangScheduler;
 use llm_sidecar_engine_api::sglang::{
-    AbortRequest, AbortResponse, GenerateComplete, GenerateRequest, GenerateResponse,
-    GenerateStreamChunk, GetLoadsRequest, GetLoadsResponse, GetModelInfoRequest,
+    AbortRequest, AbortResponse, ArgValue, Args, GenerateComplete, GenerateRequest,
+    GenerateResponse, GenerateStreamChunk, GetLoadsRequest, GetLoadsResponse, GetModelInfoRequest,
     GetModelInfoResponse, GetServerInfoRequest, GetServerInfoResponse, HealthCheckRequest,
-    HealthCheckResponse, Instant, SchedulerLoad,
+    HealthCheckResponse, Instant, SchedulerLoad, arg_value,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::generate::{self, Ask};
 use crate::{State, lock};
+
+/// The mock's KV pool, in tokens (SGLang's `max_total_num_tokens`).
+pub(crate) const KV_POOL_TOKENS: i32 = 65_536;
 
 pub(crate) struct Sglang {
     pub(crate) state: Arc<State>,
@@ -103,9 +106,11 @@ impl SglangScheduler for Sglang {
             tokenizer_path: format!("/models/{}", c.model_id),
             is_generation: true,
             served_model_name: c.model_id.clone(),
-            max_context_length: c.max_seq_len,
+            // smg-grpc-servicer 0.14.1 (Python) reports the KV pool here, and
+            // SGLang's own input limit: min(context - 1, pool - 1) - 5.
+            max_context_length: KV_POOL_TOKENS,
             vocab_size: 32_000,
-            max_req_input_len: c.max_input_len,
+            max_req_input_len: (c.max_seq_len - 1).min(KV_POOL_TOKENS - 1) - 5,
         }))
     }
 
@@ -115,7 +120,24 @@ impl SglangScheduler for Sglang {
     ) -> Result<Response<GetServerInfoResponse>, Status> {
         let s = &self.state;
         s.answer_server_info()?;
+        // The operator set no --context-length: SGLang's argument is null.
+        let null = ArgValue {
+            kind: Some(arg_value::Kind::NullValue(0)),
+        };
+        let path = ArgValue {
+            kind: Some(arg_value::Kind::StringValue(format!(
+                "/models/{}",
+                s.config.model_id
+            ))),
+        };
         Ok(Response::new(GetServerInfoResponse {
+            server_args: Some(Args {
+                fields: [
+                    ("context_length".to_string(), null),
+                    ("model_path".to_string(), path),
+                ]
+                .into(),
+            }),
             active_requests: 0,
             is_paused: false,
             last_receive_timestamp: 0.0,
@@ -127,7 +149,7 @@ impl SglangScheduler for Sglang {
                 seconds: s.start_unix_secs,
                 nanos: 0,
             }),
-            max_total_num_tokens: 65_536,
+            max_total_num_tokens: KV_POOL_TOKENS,
         }))
     }
 

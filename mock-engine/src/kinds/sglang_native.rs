@@ -206,6 +206,8 @@ fn server_info(s: &State) -> GetServerInfoResponse {
         "context_length": s.config.max_seq_len,
         "max_req_input_len": s.config.max_input_len,
         "tp_size": 1,
+        // The scheduler's info, merged in.
+        "max_total_num_tokens": super::sglang::KV_POOL_TOKENS,
         "grpc_features": [],
     });
     GetServerInfoResponse {

@@ -181,7 +181,6 @@ class ServerArgs(_Config):
             "model_path": "/models/shipped-sglang",
             "served_model_name": "shipped-sglang",
             "context_length": 4096,
-            "max_req_input_len": 4000,
             "tp_size": 1,
         }
 
@@ -289,7 +288,12 @@ handle = RuntimeHandle(
     tokenizer_manager=manager,
     template_manager=None,
     server_args=server_args,
-    scheduler_info={},
+    # What SGLang's scheduler reports at its handshake (Scheduler.get_init_info).
+    scheduler_info={
+        "status": "ready",
+        "max_total_num_tokens": 65536,
+        "max_req_input_len": 4090,
+    },
 )
 server = grpc_native.start_server(
     host="127.0.0.1",
