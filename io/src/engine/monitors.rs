@@ -30,6 +30,16 @@ pub(super) fn observe_status(status: &tonic::Status) -> LivenessObservation {
     }
 }
 
+/// Opens a server stream and reads its first message: what a liveness stream
+/// says first is its answer to "are you there", bounded by the caller.
+pub(super) async fn open_stream<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>>,
+) -> Result<(tonic::Streaming<T>, Result<Option<T>, tonic::Status>), tonic::Status> {
+    let mut stream = call.await?.into_inner();
+    let first = stream.message().await;
+    Ok((stream, first))
+}
+
 /// Watches `service` until the stream ends, fails, or `cancel` fires.
 ///
 /// An engine without the service (UNIMPLEMENTED or NOT_FOUND before any
@@ -51,14 +61,7 @@ pub(crate) async fn watch_liveness(
         }
     };
     let mut client = HealthClient::new(channel);
-    let open = async {
-        let mut stream = client
-            .watch(HealthCheckRequest { service })
-            .await?
-            .into_inner();
-        let first = stream.message().await;
-        Ok::<_, tonic::Status>((stream, first))
-    };
+    let open = open_stream(client.watch(HealthCheckRequest { service }));
     let opened = tokio::select! {
         () = cancel.cancelled() => return,
         opened = tokio::time::timeout(first_message_within, open) => opened,

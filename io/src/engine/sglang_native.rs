@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 
-use super::monitors::watch_connection;
+use super::monitors::{open_stream, watch_connection};
 use super::{
     ConnectionWatch, EngineError, EngineInfo, EngineKind, Probed, UNKNOWN_VERSION, bounded,
 };
@@ -127,21 +127,15 @@ pub(super) async fn probe(channel: &Channel, bound: Duration) -> Probed {
 async fn first_state(channel: &Channel, bound: Duration) -> Result<EngineState, EngineError> {
     const CALL: &str = "WatchEngineState";
     let mut client = SglangServiceClient::new(channel.clone());
-    let first = async {
-        let mut stream = client
-            .watch_engine_state(WatchEngineStateRequest {})
-            .await?
-            .into_inner();
-        stream.message().await
-    };
+    let first = open_stream(client.watch_engine_state(WatchEngineStateRequest {}));
     match tokio::time::timeout(bound, first).await {
-        Ok(Ok(Some(state))) => Ok(state),
-        Ok(Ok(None)) => Err(EngineError::Call {
+        Ok(Ok((_, Ok(Some(state))))) => Ok(state),
+        Ok(Ok((_, Ok(None)))) => Err(EngineError::Call {
             call: CALL,
             code: tonic::Code::Unavailable,
             message: "the stream ended before its first message".into(),
         }),
-        Ok(Err(status)) => Err(EngineError::Call {
+        Ok(Err(status) | Ok((_, Err(status)))) => Err(EngineError::Call {
             call: CALL,
             code: status.code(),
             message: status.message().to_string(),
@@ -232,14 +226,7 @@ pub(crate) async fn follow_state(
     cancel: CancellationToken,
 ) {
     let mut client = SglangServiceClient::new(channel.clone());
-    let open = async {
-        let mut stream = client
-            .watch_engine_state(WatchEngineStateRequest {})
-            .await?
-            .into_inner();
-        let first = stream.message().await;
-        Ok::<_, tonic::Status>((stream, first))
-    };
+    let open = open_stream(client.watch_engine_state(WatchEngineStateRequest {}));
     let opened = tokio::select! {
         () = cancel.cancelled() => return,
         opened = tokio::time::timeout(bound, open) => opened,
