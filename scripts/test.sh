@@ -64,19 +64,22 @@ if [ "$dynamo" = 1 ] && ! "$dynamo_venv/bin/python" -c 'import dynamo.frontend' 
 fi
 
 # The engines' own gRPC servers as they ship on PyPI, for the shipped-server
-# tests (bin/tests/process/shipped_servers.rs): SGLang 0.5.23's wheel without
-# its GPU dependencies (its Rust gRPC server and Python bridge run; the test's
-# script stands in for the engine core), and the light modules the bridge's
-# imports reach. Versions pinned as tested.
+# tests (bin/tests/process/shipped_servers.rs): SGLang 0.5.23's wheel and
+# smg-grpc-servicer 0.14.1 without their GPU dependencies (SGLang's Rust gRPC
+# server and Python bridge, and the smg servicer's serve_grpc, run; the tests'
+# scripts stand in for the engine core), and the light modules their imports
+# reach. Versions pinned as tested.
 engines_venv=target/engines-venv
-engines_modules='["sglang", "fastapi", "msgspec", "orjson", "pybase64", "numpy", "psutil", "requests", "PIL"]'
+engines_modules='["sglang", "smg_grpc_servicer", "smg_grpc_proto", "grpc_reflection", "fastapi", "msgspec", "numpy", "PIL", "regex", "dill", "openai", "yaml", "einops"]'
 if ! "$engines_venv/bin/python" -c "import importlib.util as u; assert all(u.find_spec(m) for m in $engines_modules)" 2>/dev/null; then
-  log "installing SGLang 0.5.23's server into $engines_venv (pip)"
+  log "installing SGLang 0.5.23 and smg-grpc-servicer 0.14.1 into $engines_venv (pip)"
   python3 -m venv "$engines_venv"
-  "$engines_venv/bin/pip" install --quiet --no-deps sglang==0.5.23
+  "$engines_venv/bin/pip" install --quiet --no-deps sglang==0.5.23 smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28
   "$engines_venv/bin/pip" install --quiet fastapi==0.165.0 pydantic==2.14.4 msgspec==0.23.0 \
     orjson==3.13.0 packaging==26.4 pybase64==1.5.1 numpy==2.4.6 psutil==7.2.2 requests==2.34.2 \
-    pillow==13.0.0
+    pillow==13.0.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+    protobuf==7.36.2 regex==2026.12.2 partial-json-parser==0.2.1.1.post7 dill==0.4.1 \
+    setproctitle==1.3.8 openai==2.8.0 PyYAML==6.0.4 einops==0.8.2
 fi
 export LLM_SIDECAR_ENGINES_PYTHON="$PWD/$engines_venv/bin/python"
 

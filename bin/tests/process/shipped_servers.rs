@@ -3,9 +3,11 @@
 //! against what ships.
 //!
 //! SGLang 0.5.23's native server (`clients/sglang_native_server.py`: the
-//! wheel's Rust server and its Python bridge, a stand-in TokenizerManager).
-//! scripts/test.sh installs the wheel into `target/engines-venv` (or
-//! `LLM_SIDECAR_ENGINES_PYTHON` names the Python that has it).
+//! wheel's Rust server and its Python bridge, a stand-in TokenizerManager),
+//! and SGLang through smg-grpc-servicer 0.14.1 (`clients/sglang_smg_server.py`:
+//! the servicer's own `serve_grpc`, a stand-in scheduler process and request
+//! manager). scripts/test.sh installs the wheels into `target/engines-venv`
+//! (or `LLM_SIDECAR_ENGINES_PYTHON` names the Python that has them).
 //!
 //! Each test prints its figure (ms from the fault to the record's removal)
 //! on stderr: `cargo test ... shipped_servers:: -- --nocapture`.
@@ -14,6 +16,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use llm_sidecar_engine_api::sglang;
 use llm_sidecar_engine_api::sglang_runtime::sglang_service_client::SglangServiceClient;
 use llm_sidecar_engine_api::sglang_runtime::{GenerateRequest, GenerateResponse, SamplingParams};
 
@@ -34,16 +37,29 @@ fn engines_python() -> PathBuf {
     python
 }
 
-/// SGLang's native server, started and listening (warming up for `warmup`).
-struct ShippedSglang {
+/// A shipped server, started and listening (warming up for `warmup`).
+struct ShippedServer {
     proc: Proc,
     grpc: SocketAddr,
 }
 
-impl ShippedSglang {
-    fn start(dir: &Path, warmup: Duration) -> Self {
+/// Which one.
+#[derive(Clone, Copy)]
+enum Shipped {
+    /// SGLang 0.5.23's native server.
+    SglangNative,
+    /// SGLang through smg-grpc-servicer 0.14.1's Python servicer.
+    SglangSmg,
+}
+
+impl ShippedServer {
+    fn start(dir: &Path, which: Shipped, warmup: Duration) -> Self {
         let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/process/clients/sglang_native_server.py");
+            .join("tests/process/clients")
+            .join(match which {
+                Shipped::SglangNative => "sglang_native_server.py",
+                Shipped::SglangSmg => "sglang_smg_server.py",
+            });
         let python = engines_python();
         for attempt in 0..5 {
             let grpc = free_addr();
@@ -60,15 +76,17 @@ impl ShippedSglang {
                 proc.log_text().contains("gRPC server listening") || !proc.running()
             });
             if proc.running() {
-                return ShippedSglang { proc, grpc };
+                return ShippedServer { proc, grpc };
             }
             let log = proc.log_text();
             assert!(
-                log.contains("ddress already in use") || log.contains("ddrInUse"),
-                "the SGLang server did not start:\n{log}"
+                ["ddress already in use", "ddrInUse", "Failed to bind"]
+                    .iter()
+                    .any(|said| log.contains(said)),
+                "the server did not start:\n{log}"
             );
         }
-        panic!("no free port for the SGLang server after 5 attempts");
+        panic!("no free port for the server after 5 attempts");
     }
 
     /// The instance id its Rust server published (`instance_id=<n>` in its log).
@@ -104,8 +122,12 @@ fn strip_ansi(text: &str) -> String {
 
 /// The server and a sidecar at `--engine-kind auto`, registered; the sidecar
 /// started while the server warms up.
-fn serving_shipped(dir: &TempDir, warmup: Duration) -> (ShippedSglang, Sidecar, Duration) {
-    let server = ShippedSglang::start(&dir.0, warmup);
+fn serving_shipped(
+    dir: &TempDir,
+    which: Shipped,
+    warmup: Duration,
+) -> (ShippedServer, Sidecar, Duration) {
+    let server = ShippedServer::start(&dir.0, which, warmup);
     let started = Instant::now();
     let sidecar = Sidecar::start(&dir.0, server.grpc, &[]);
     sidecar.wait_serving();
@@ -167,7 +189,7 @@ fn lost_after(sidecar: &mut Sidecar, fault: impl FnOnce()) -> (Duration, String)
 fn shipped_sglang_native_registers_after_its_warm_up_with_its_instance_id_and_serves_identically() {
     let dir = TempDir::new("shipped-sglang-register");
     let warmup = Duration::from_secs(3);
-    let (server, mut sidecar, took) = serving_shipped(&dir, warmup);
+    let (server, mut sidecar, took) = serving_shipped(&dir, Shipped::SglangNative, warmup);
     let log = sidecar.proc.log_text();
     assert!(
         log.contains(
@@ -221,7 +243,8 @@ fn shipped_sglang_native_registers_after_its_warm_up_with_its_instance_id_and_se
 #[test]
 fn shipped_sglang_native_scheduler_failure_is_a_loss_by_its_engine_state() {
     let dir = TempDir::new("shipped-sglang-unhealthy");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Duration::from_millis(500));
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
     let instance = server.instance_id();
     let (after, line) = lost_after(&mut sidecar, || server.proc.signal("USR1"));
     assert!(
@@ -241,7 +264,8 @@ fn shipped_sglang_native_scheduler_failure_is_a_loss_by_its_engine_state() {
 #[test]
 fn shipped_sglang_native_pause_is_said_and_no_loss() {
     let dir = TempDir::new("shipped-sglang-pause");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Duration::from_millis(500));
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
     server.proc.signal("USR2");
     sidecar
         .proc
@@ -259,7 +283,8 @@ fn shipped_sglang_native_pause_is_said_and_no_loss() {
 #[test]
 fn shipped_sglang_native_sigterm_is_a_loss_at_once() {
     let dir = TempDir::new("shipped-sglang-sigterm");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Duration::from_millis(500));
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
     let (after, line) = lost_after(&mut sidecar, || server.proc.signal("TERM"));
     // SGLang's SIGTERM makes it unhealthy at once; with no call to drain its
     // server stops a moment later, and its state stream may end before it
@@ -275,11 +300,158 @@ fn shipped_sglang_native_sigterm_is_a_loss_at_once() {
 #[test]
 fn shipped_sglang_native_sigkill_is_a_loss() {
     let dir = TempDir::new("shipped-sglang-sigkill");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Duration::from_millis(500));
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
     let (after, line) = lost_after(&mut sidecar, || server.proc.signal("KILL"));
     assert!(
         line.contains("SGLang engine lost: liveness stream failed"),
         "{line}"
     );
     eprintln!("figure: shipped SGLang native SIGKILL -> withdrawn in {after:?}");
+}
+
+// ---- SGLang through smg-grpc-servicer 0.14.1 ----------------------------------
+
+/// One streaming Generate on the smg API, every message as it came.
+async fn generate_all_smg(addr: SocketAddr, rid: &str) -> Vec<sglang::GenerateResponse> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut stream = sglang::sglang_scheduler_client::SglangSchedulerClient::new(channel)
+        .generate(sglang::GenerateRequest {
+            request_id: rid.to_string(),
+            tokenized: Some(sglang::TokenizedInput {
+                original_text: String::new(),
+                input_ids: vec![1, 2, 3],
+            }),
+            sampling_params: Some(sglang::SamplingParams {
+                max_new_tokens: Some(6),
+            }),
+            stream: true,
+        })
+        .await
+        .expect("Generate answers")
+        .into_inner();
+    let mut all = Vec::new();
+    while let Some(message) = stream.message().await.expect("the stream ends OK") {
+        all.push(message);
+    }
+    all
+}
+
+/// The scheduler's pid, as the server printed it.
+fn scheduler_pid(server: &ShippedServer) -> String {
+    let log = server.proc.log_text();
+    let at = log
+        .find("scheduler pid ")
+        .unwrap_or_else(|| panic!("no scheduler pid in:\n{log}"));
+    log[at + "scheduler pid ".len()..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect()
+}
+
+#[test]
+fn shipped_sglang_smg_registers_after_its_warm_up_with_its_lengths_and_serves_identically() {
+    let dir = TempDir::new("shipped-smg-register");
+    let warmup = Duration::from_secs(3);
+    let (server, mut sidecar, took) = serving_shipped(&dir, Shipped::SglangSmg, warmup);
+    let log = sidecar.proc.log_text();
+    assert!(
+        log.contains(
+            "warming up: its health service \"sglang.grpc.scheduler.SglangScheduler\" reports \
+             NOT_SERVING"
+        ),
+        "the warm-up is waited out, and said:\n{log}"
+    );
+    assert!(
+        took >= warmup,
+        "registered after {took:?}, before the warm-up ended"
+    );
+    let r = sidecar.record(&sidecar.records()[0]);
+    assert_eq!(r["engine"]["kind"], "sglang", "{r}");
+    assert_eq!(r["engine"]["version"], "0.5.23", "{r}");
+    assert!(
+        r["engine"]["identity"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("started 20")),
+        "{r}"
+    );
+    assert_eq!(r["model"]["name"], "shipped-sglang", "{r}");
+    // Its max_context_length is the KV pool: recorded as the pool, and the
+    // sequence length from SGLang's own input limit (4090 + 6).
+    assert_eq!(r["model"]["kv_cache_tokens"], 65_536, "{r}");
+    assert_eq!(r["model"]["max_seq_len"], 4_096, "{r}");
+    assert_eq!(r["model"]["max_input_len"], 4_090, "{r}");
+
+    let runtime = rt();
+    let direct = runtime.block_on(generate_all_smg(server.grpc, "same-id"));
+    let through = runtime.block_on(generate_all_smg(sidecar.listen, "same-id"));
+    assert!(direct.len() >= 6, "{direct:?}");
+    assert_eq!(
+        through, direct,
+        "Generate through the sidecar is Generate direct"
+    );
+    // Seconds of serving: its load and health answer, no loss.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
+    eprintln!("figure: shipped SGLang (smg) registered {took:?} after start (warm-up {warmup:?})");
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(sidecar.records().is_empty());
+}
+
+/// The servicer's own stop (NOT_SERVING, then `server.stop(5)`): the loss
+/// line says the engine stopped, never that a keepalive ping went unanswered.
+#[test]
+fn shipped_sglang_smg_sigterm_reads_as_the_stop_it_is() {
+    let dir = TempDir::new("shipped-smg-sigterm");
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
+    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("TERM"));
+    assert!(
+        line.contains("SGLang engine lost: engine stopped: it said GOAWAY (NO_ERROR)")
+            || line.contains("SGLang engine lost: liveness reported NOT_SERVING"),
+        "{line}"
+    );
+    assert!(!line.contains("keepalive"), "{line}");
+    eprintln!("figure: shipped SGLang (smg) SIGTERM -> withdrawn in {after:?}: {line}");
+}
+
+/// The scheduler process dying: the servicer's watchdog (a 1 s poll) stops
+/// the server, and that is a loss.
+#[test]
+fn shipped_sglang_smg_scheduler_death_is_a_loss() {
+    let dir = TempDir::new("shipped-smg-scheduler");
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
+    let pid = scheduler_pid(&server);
+    let (after, line) = lost_after(&mut sidecar, || {
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", &pid])
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(killed, "kill the scheduler {pid}");
+    });
+    assert!(!line.contains("keepalive"), "{line}");
+    eprintln!("figure: shipped SGLang (smg) scheduler SIGKILL -> withdrawn in {after:?}: {line}");
+}
+
+#[test]
+fn shipped_sglang_smg_sigkill_is_a_loss() {
+    let dir = TempDir::new("shipped-smg-sigkill");
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
+    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("KILL"));
+    assert!(
+        line.contains(
+            "SGLang engine lost: engine connection lost: the engine closed the connection"
+        ) || line.contains("SGLang engine lost: engine connection lost: the connection was reset")
+            || line.contains("SGLang engine lost: health check failed"),
+        "{line}"
+    );
+    eprintln!("figure: shipped SGLang (smg) SIGKILL -> withdrawn in {after:?}: {line}");
 }

@@ -6,9 +6,8 @@ What runs is SGLang's own code from the PyPI wheel: the Rust server
 `http_server._start_native_grpc_server_for_runtime` starts it) and its Python
 bridge `sglang.srt.entrypoints.grpc_bridge.RuntimeHandle`. What stands in:
 the TokenizerManager (the engine core: its state fields and their change
-callback behave as SGLang's do; Generate yields a few fixed tokens) and the
-request object it takes, the server arguments, and the GPU-only modules the
-bridge's imports reach (torch, triton, ...), which are empty stand-ins.
+callback behave as SGLang's do; Generate yields a few fixed tokens), the
+server arguments, and what engine_stand_ins.py stands in for.
 
 Usage: python sglang_native_server.py PORT WARMUP_SECONDS
 Signals: SIGUSR1 -> the scheduler fails (server_status UnHealthy);
@@ -18,8 +17,6 @@ drain for up to 5 s, then the gRPC server shuts down and the process exits.
 """
 
 import asyncio
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import signal
@@ -33,127 +30,9 @@ import types
 os.dup2(2, 1)
 sys.stdout = sys.stderr
 
+import engine_stand_ins  # noqa: E402,F401  (before any SGLang import)
 
-# ---- stand-ins for what a CPU-only machine lacks --------------------------------
-
-
-class _Base:
-    def __init_subclass__(cls, **kwargs):
-        pass
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-
-class _Anything:
-    """Any attribute, call, index or base class of a module that is not here."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        return _Anything()
-
-    def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return _Anything()
-
-    def __getitem__(self, key):
-        return _Anything()
-
-    def __iter__(self):
-        return iter(())
-
-    def __bool__(self):
-        return False
-
-    def __or__(self, other):
-        return self
-
-    def __ror__(self, other):
-        return other
-
-    def __mro_entries__(self, bases):
-        return (_Base,)
-
-
-# Accelerators SGLang probes with hasattr(torch, ...): absent here.
-_ABSENT = {"npu", "xpu", "musa", "hpu", "mlu"}
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name):
-        if (name.startswith("__") and name.endswith("__")) or name in _ABSENT:
-            raise AttributeError(name)
-        return _Anything()
-
-
-class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots):
-        self.roots = roots
-
-    def find_spec(self, name, path, target=None):
-        if any(name == r or name.startswith(r + ".") for r in self.roots):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _StandInModule(spec.name)
-        module.__path__ = []
-        module.__version__ = "2.14.1"
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-sys.meta_path.insert(
-    0,
-    _StandIns(
-        [
-            "torch", "triton", "zmq", "tqdm", "IPython", "aiohttp", "transformers",
-            # SGLang's device and distributed layers: GPU-only.
-            "sglang.srt.platforms", "sglang.srt.distributed",
-        ]
-    ),
-)
-
-
-def _module(name, **attrs):
-    module = types.ModuleType(name)
-    for key, value in attrs.items():
-        setattr(module, key, value)
-    sys.modules[name] = module
-    return module
-
-
-# sglang/__init__ patches transformers' config classes, which are stand-ins here.
-_module("sglang.srt.utils.hf_transformers_patches", apply_all=lambda: None)
 import sglang  # noqa: E402
-
-# sglang.srt.configs/__init__ imports every model's config; the bridge needs one module.
-_module(
-    "sglang.srt.configs",
-    __path__=[os.path.join(os.path.dirname(sglang.__file__), "srt", "configs")],
-)
-
-
-
-class GenerateReqInput:
-    """The request the bridge hands the TokenizerManager, as its fields: SGLang's
-    own class sits in a module whose imports reach the whole model stack."""
-
-    def __init__(self, **fields):
-        self.rid = None
-        self.input_ids = None
-        self.sampling_params = None
-        self.stream = False
-        self.__dict__.update(fields)
-
-
-_module("sglang.srt.managers.io_struct", GenerateReqInput=GenerateReqInput)
-
 import sglang.srt.runtime_context as runtime_context  # noqa: E402
 from sglang.srt.entrypoints.grpc_bridge import RuntimeHandle  # noqa: E402
 
