@@ -440,6 +440,21 @@ fn shipped_sglang_smg_scheduler_death_is_a_loss() {
     eprintln!("figure: shipped SGLang (smg) scheduler SIGKILL -> withdrawn in {after:?}: {line}");
 }
 
+/// The scheduler stalled (a request pending, nothing from the scheduler for
+/// over 30 s): the servicer's own stall check turns its service NOT_SERVING.
+#[test]
+fn shipped_sglang_smg_scheduler_stall_is_a_loss() {
+    let dir = TempDir::new("shipped-smg-stall");
+    let (server, mut sidecar, _) =
+        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
+    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("USR1"));
+    assert!(
+        line.contains("SGLang engine lost: liveness reported NOT_SERVING"),
+        "{line}"
+    );
+    eprintln!("figure: shipped SGLang (smg) scheduler stall -> withdrawn in {after:?}");
+}
+
 #[test]
 fn shipped_sglang_smg_sigkill_is_a_loss() {
     let dir = TempDir::new("shipped-smg-sigkill");

@@ -12,12 +12,15 @@ arguments and model config, and what engine_stand_ins.py stands in for.
 
 Usage: python sglang_smg_server.py PORT WARMUP_SECONDS
 The scheduler's pid is printed as `scheduler pid <n>`. SIGTERM is the
-servicer's own shutdown.
+servicer's own shutdown. SIGUSR1 stalls the scheduler: a request pending and
+nothing received from the scheduler for 31 s, past the servicer's own 30 s
+stall threshold.
 """
 
 import asyncio
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -199,5 +202,28 @@ smg_server.EngineConfigView = _ConfigView
 smg_servicer.EngineConfigView = _ConfigView
 smg_server._wait_and_warmup_grpc = warm_up_then_serve
 
+managers = []
+_make_request_manager = RequestManager
+
+
+def _kept_request_manager():
+    manager = _make_request_manager()
+    managers.append(manager)
+    return manager
+
+
+RequestManager = _kept_request_manager
+
+
+def _stall(*_):
+    # What a stuck scheduler leaves behind: a request waiting on it, and
+    # nothing received from it since 31 s ago.
+    for manager in managers:
+        manager.rid_to_state["stalled"] = object()
+        manager.last_receive_tstamp = time.time() - 31
+    print("scheduler stalled", flush=True)
+
+
+signal.signal(signal.SIGUSR1, _stall)
 asyncio.run(smg_server.serve_grpc(ServerArgs(port=port)))
 print("servicer exited", flush=True)
