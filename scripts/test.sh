@@ -64,22 +64,24 @@ if [ "$dynamo" = 1 ] && ! "$dynamo_venv/bin/python" -c 'import dynamo.frontend' 
 fi
 
 # The engines' own gRPC servers as they ship on PyPI, for the shipped-server
-# tests (bin/tests/process/shipped_servers.rs): SGLang 0.5.23's wheel and
-# smg-grpc-servicer 0.14.1 without their GPU dependencies (SGLang's Rust gRPC
-# server and Python bridge, and the smg servicer's serve_grpc, run; the tests'
-# scripts stand in for the engine core), and the light modules their imports
-# reach. Versions pinned as tested.
+# tests (bin/tests/process/shipped_servers.rs): SGLang 0.5.23's, vLLM 0.34.0's
+# and smg-grpc-servicer 0.14.1's wheels without their GPU dependencies (SGLang's
+# Rust gRPC server and Python bridge, the smg servicer's serve_grpc, vLLM's own
+# gRPC launcher run; the tests' scripts stand in for the engine core), and the
+# light modules their imports reach. Versions pinned as tested.
 engines_venv=target/engines-venv
-engines_modules='["sglang", "smg_grpc_servicer", "smg_grpc_proto", "grpc_reflection", "fastapi", "msgspec", "numpy", "PIL", "regex", "dill", "openai", "yaml", "einops"]'
+engines_modules='["sglang", "vllm", "cloudpickle", "cbor2", "uvloop", "smg_grpc_servicer", "smg_grpc_proto", "grpc_reflection", "fastapi", "msgspec", "numpy", "PIL", "regex", "dill", "openai", "yaml", "einops"]'
 if ! "$engines_venv/bin/python" -c "import importlib.util as u; assert all(u.find_spec(m) for m in $engines_modules)" 2>/dev/null; then
-  log "installing SGLang 0.5.23 and smg-grpc-servicer 0.14.1 into $engines_venv (pip)"
+  log "installing SGLang 0.5.23, vLLM 0.34.0 and smg-grpc-servicer 0.14.1 into $engines_venv (pip)"
   python3 -m venv "$engines_venv"
-  "$engines_venv/bin/pip" install --quiet --no-deps sglang==0.5.23 smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28
+  "$engines_venv/bin/pip" install --quiet --no-deps sglang==0.5.23 vllm==0.34.0 \
+    smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28
   "$engines_venv/bin/pip" install --quiet fastapi==0.165.0 pydantic==2.14.4 msgspec==0.23.0 \
     orjson==3.13.0 packaging==26.4 pybase64==1.5.1 numpy==2.4.6 psutil==7.2.2 requests==2.34.2 \
     pillow==13.0.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
     protobuf==7.36.2 regex==2026.12.2 partial-json-parser==0.2.1.1.post7 dill==0.4.1 \
-    setproctitle==1.3.8 openai==2.8.0 PyYAML==6.0.4 einops==0.8.2
+    setproctitle==1.3.8 openai==2.8.0 PyYAML==6.0.4 einops==0.8.2 cloudpickle==3.1.3 \
+    cachetools==8.0.2 cbor2==6.3.0 prometheus-client==0.26.0 uvloop==0.23.0
 fi
 export LLM_SIDECAR_ENGINES_PYTHON="$PWD/$engines_venv/bin/python"
 

@@ -6,7 +6,9 @@
 //! wheel's Rust server and its Python bridge, a stand-in TokenizerManager),
 //! and SGLang through smg-grpc-servicer 0.14.1 (`clients/sglang_smg_server.py`:
 //! the servicer's own `serve_grpc`, a stand-in scheduler process and request
-//! manager). scripts/test.sh installs the wheels into `target/engines-venv`
+//! manager), and vLLM 0.34.0's own gRPC launcher with smg's servicer
+//! (`clients/vllm_server.py`: a stand-in AsyncLLM). scripts/test.sh installs
+//! the wheels into `target/engines-venv`
 //! (or `LLM_SIDECAR_ENGINES_PYTHON` names the Python that has them).
 //!
 //! Each test prints its figure (ms from the fault to the record's removal)
@@ -16,9 +18,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use llm_sidecar_engine_api::sglang;
 use llm_sidecar_engine_api::sglang_runtime::sglang_service_client::SglangServiceClient;
 use llm_sidecar_engine_api::sglang_runtime::{GenerateRequest, GenerateResponse, SamplingParams};
+use llm_sidecar_engine_api::{sglang, vllm};
 
 use crate::support::*;
 
@@ -50,6 +52,8 @@ enum Shipped {
     SglangNative,
     /// SGLang through smg-grpc-servicer 0.14.1's Python servicer.
     SglangSmg,
+    /// vLLM 0.34.0's own gRPC launcher with smg-grpc-servicer 0.14.1's servicer.
+    Vllm,
 }
 
 impl ShippedServer {
@@ -59,6 +63,7 @@ impl ShippedServer {
             .join(match which {
                 Shipped::SglangNative => "sglang_native_server.py",
                 Shipped::SglangSmg => "sglang_smg_server.py",
+                Shipped::Vllm => "vllm_server.py",
             });
         let python = engines_python();
         for attempt in 0..5 {
@@ -73,7 +78,11 @@ impl ShippedServer {
                 dir.join(format!("sglang-native-{attempt}.log")),
             );
             wait_until(HANG, "the SGLang server to listen or exit", || {
-                proc.log_text().contains("gRPC server listening") || !proc.running()
+                let log = proc.log_text();
+                // SGLang's servers say the first, vLLM's launcher the second.
+                log.contains("gRPC server listening")
+                    || log.contains("gRPC server started on")
+                    || !proc.running()
             });
             if proc.running() {
                 return ShippedServer { proc, grpc };
@@ -469,4 +478,106 @@ fn shipped_sglang_smg_sigkill_is_a_loss() {
         "{line}"
     );
     eprintln!("figure: shipped SGLang (smg) SIGKILL -> withdrawn in {after:?}: {line}");
+}
+
+// ---- vLLM 0.34.0's launcher with smg-grpc-servicer 0.14.1 ----------------------
+
+/// One streaming Generate on vLLM's API, every message as it came.
+async fn generate_all_vllm(addr: SocketAddr, rid: &str) -> Vec<vllm::GenerateResponse> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut stream = vllm::vllm_engine_client::VllmEngineClient::new(channel)
+        .generate(vllm::GenerateRequest {
+            request_id: rid.to_string(),
+            input: Some(vllm::generate_request::Input::Tokenized(
+                vllm::TokenizedInput {
+                    original_text: String::new(),
+                    input_ids: vec![1, 2, 3],
+                },
+            )),
+            sampling_params: Some(vllm::SamplingParams {
+                max_tokens: Some(6),
+            }),
+            stream: true,
+        })
+        .await
+        .expect("Generate answers")
+        .into_inner();
+    let mut all = Vec::new();
+    while let Some(message) = stream.message().await.expect("the stream ends OK") {
+        all.push(message);
+    }
+    all
+}
+
+#[test]
+fn shipped_vllm_registers_with_its_version_and_serves_identically() {
+    let dir = TempDir::new("shipped-vllm-register");
+    let (server, mut sidecar, took) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
+    let r = sidecar.record(&sidecar.records()[0]);
+    assert_eq!(r["engine"]["kind"], "vllm", "{r}");
+    assert_eq!(r["engine"]["version"], "0.34.0", "GetLoads says it: {r}");
+    assert_eq!(r["model"]["name"], "shipped-vllm", "{r}");
+    assert_eq!(r["model"]["max_seq_len"], 4_096, "{r}");
+    let runtime = rt();
+    let direct = runtime.block_on(generate_all_vllm(server.grpc, "same-id"));
+    let through = runtime.block_on(generate_all_vllm(sidecar.listen, "same-id"));
+    assert!(direct.len() >= 6, "{direct:?}");
+    assert_eq!(
+        through, direct,
+        "Generate through the sidecar is Generate direct"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
+    eprintln!("figure: shipped vLLM registered {took:?} after its server listened");
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(sidecar.records().is_empty());
+}
+
+/// A dead engine core (AsyncLLM.errored): the health servicer's
+/// `check_health()` fails, its services answer NOT_SERVING at the next Check.
+#[test]
+fn shipped_vllm_dead_engine_core_is_a_loss() {
+    let dir = TempDir::new("shipped-vllm-dead-core");
+    let (server, mut sidecar, _) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
+    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("USR1"));
+    assert!(
+        line.contains("vLLM engine lost: liveness reported NOT_SERVING"),
+        "{line}"
+    );
+    eprintln!("figure: shipped vLLM dead engine core -> withdrawn in {after:?}");
+}
+
+/// The launcher's own stop (NOT_SERVING, then `server.stop(5)`): read as
+/// the stop it is, never as a keepalive timeout.
+#[test]
+fn shipped_vllm_sigterm_reads_as_the_stop_it_is() {
+    let dir = TempDir::new("shipped-vllm-sigterm");
+    let (server, mut sidecar, _) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
+    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("TERM"));
+    assert!(
+        line.contains("vLLM engine lost: engine stopped: it said GOAWAY (NO_ERROR)")
+            || line.contains("vLLM engine lost: liveness reported NOT_SERVING"),
+        "{line}"
+    );
+    assert!(!line.contains("keepalive"), "{line}");
+    eprintln!("figure: shipped vLLM SIGTERM -> withdrawn in {after:?}: {line}");
+}
+
+#[test]
+fn shipped_vllm_sigkill_is_a_loss() {
+    let dir = TempDir::new("shipped-vllm-sigkill");
+    let (server, mut sidecar, _) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
+    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("KILL"));
+    assert!(
+        line.contains("vLLM engine lost: engine connection lost: the engine closed the connection")
+            || line.contains("vLLM engine lost: engine connection lost: the connection was reset")
+            || line.contains("vLLM engine lost: health check failed"),
+        "{line}"
+    );
+    eprintln!("figure: shipped vLLM SIGKILL -> withdrawn in {after:?}: {line}");
 }

@@ -10,6 +10,9 @@ this module installs them. The engines' own code then imports as shipped.
 - `sglang.srt.managers.io_struct` (the engine core's request types, whose
   imports reach the whole model stack): each class is a plain record of the
   fields it is built with.
+
+A script adds its own with `stand_in(...)` (whole packages) and `lenient(...)`
+(one module with the attributes it names) before it imports the server.
 """
 
 import importlib.abc
@@ -117,20 +120,23 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-sys.meta_path.insert(
-    0,
-    _StandIns(
-        [
-            "torch", "triton", "torchvision", "zmq", "tqdm", "IPython", "aiohttp",
-            "transformers", "huggingface_hub", "sentencepiece", "safetensors",
-            # SGLang's device, distributed, layer and model-executor packages: GPU-only.
-            "sglang.srt.platforms", "sglang.srt.distributed", "sglang.srt.layers",
-            "sglang.srt.model_executor", "sglang.kernels",
-            # The engine core's processes, which the tests replace.
-            "sglang.srt.managers.scheduler", "sglang.srt.managers.data_parallel_controller",
-        ]
-    ),
+_FINDER = _StandIns(
+    [
+        "torch", "triton", "torchvision", "zmq", "tqdm", "IPython", "aiohttp",
+        "transformers", "huggingface_hub", "sentencepiece", "safetensors",
+        # SGLang's device, distributed, layer and model-executor packages: GPU-only.
+        "sglang.srt.platforms", "sglang.srt.distributed", "sglang.srt.layers",
+        "sglang.srt.model_executor", "sglang.kernels",
+        # The engine core's processes, which the tests replace.
+        "sglang.srt.managers.scheduler", "sglang.srt.managers.data_parallel_controller",
+    ]
 )
+sys.meta_path.insert(0, _FINDER)
+
+
+def stand_in(*names):
+    """Stands in for these modules (and their submodules) too."""
+    _FINDER.roots.extend(names)
 
 
 
