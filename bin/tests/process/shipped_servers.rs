@@ -56,6 +56,26 @@ enum Shipped {
     Vllm,
 }
 
+impl Shipped {
+    /// How the loss line names the engine.
+    fn engine(self) -> &'static str {
+        match self {
+            Shipped::SglangNative | Shipped::SglangSmg => "SGLang",
+            Shipped::Vllm => "vLLM",
+        }
+    }
+}
+
+/// A grpcio server's graceful stop, as the loss line reads it.
+const GOAWAY_STOP: &str = "engine stopped: it said GOAWAY (NO_ERROR)";
+
+/// The server process gone: its connection, or the Check in flight.
+const CONNECTION_GONE: &[&str] = &[
+    "engine connection lost: the engine closed the connection",
+    "engine connection lost: the connection was reset",
+    "health check failed",
+];
+
 impl ShippedServer {
     fn start(dir: &Path, which: Shipped, warmup: Duration) -> Self {
         let script = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -143,15 +163,30 @@ fn serving_shipped(
     (server, sidecar, started.elapsed())
 }
 
-/// One streaming Generate, every message as it came.
-async fn generate_all(addr: SocketAddr, rid: &str) -> Vec<GenerateResponse> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+async fn connect(addr: SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .expect("endpoint")
         .connect()
         .await
-        .expect("connect");
-    let mut stream = SglangServiceClient::new(channel)
-        .generate(GenerateRequest {
+        .expect("connect")
+}
+
+/// Every message of a streaming call, as it came; the stream must end OK.
+async fn every_message<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>>,
+) -> Vec<T> {
+    let mut stream = call.await.expect("Generate answers").into_inner();
+    let mut all = Vec::new();
+    while let Some(message) = stream.message().await.expect("the stream ends OK") {
+        all.push(message);
+    }
+    all
+}
+
+/// One streaming Generate, every message as it came.
+async fn generate_all(addr: SocketAddr, rid: &str) -> Vec<GenerateResponse> {
+    every_message(
+        SglangServiceClient::new(connect(addr).await).generate(GenerateRequest {
             input_ids: vec![1, 2, 3],
             sampling_params: Some(SamplingParams {
                 max_new_tokens: Some(6),
@@ -159,15 +194,9 @@ async fn generate_all(addr: SocketAddr, rid: &str) -> Vec<GenerateResponse> {
             }),
             stream: Some(true),
             rid: Some(rid.to_string()),
-        })
-        .await
-        .expect("Generate answers")
-        .into_inner();
-    let mut all = Vec::new();
-    while let Some(message) = stream.message().await.expect("the stream ends OK") {
-        all.push(message);
-    }
-    all
+        }),
+    )
+    .await
 }
 
 /// Ms from `fault` to the worker's record leaving discovery, and the loss line.
@@ -194,11 +223,63 @@ fn lost_after(sidecar: &mut Sidecar, fault: impl FnOnce()) -> (Duration, String)
     (withdrawn, line)
 }
 
+/// Generate through the sidecar is Generate direct, message for message
+/// (`generate` calls the address it is given); what direct answered.
+fn serves_identically<T, Fut>(
+    server: &ShippedServer,
+    sidecar: &Sidecar,
+    generate: impl Fn(SocketAddr) -> Fut,
+) -> Vec<T>
+where
+    T: PartialEq + std::fmt::Debug,
+    Fut: std::future::Future<Output = Vec<T>>,
+{
+    let runtime = rt();
+    let direct = runtime.block_on(generate(server.grpc));
+    let through = runtime.block_on(generate(sidecar.listen));
+    assert_eq!(
+        through, direct,
+        "Generate through the sidecar is Generate direct"
+    );
+    direct
+}
+
+/// The sidecar's SIGTERM: exit 0, its record gone.
+fn stop_cleanly(mut sidecar: Sidecar) {
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert!(sidecar.records().is_empty());
+}
+
+/// `which` serving, `fault` done to it, and the loss that follows: the
+/// line is one of `reasons` (after "<engine> engine lost: "), never a
+/// keepalive timeout, and the figure (ms to withdrawal) is printed.
+fn loss_after_fault(
+    name: &str,
+    which: Shipped,
+    fault: impl FnOnce(&ShippedServer),
+    reasons: &[&str],
+) -> (TempDir, ShippedServer, Sidecar, String) {
+    let dir = TempDir::new(name);
+    let (server, mut sidecar, _) = serving_shipped(&dir, which, Duration::from_millis(500));
+    let (after, line) = lost_after(&mut sidecar, || fault(&server));
+    let engine = which.engine();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| line.contains(&format!("{engine} engine lost: {r}"))),
+        "{line} is one of {reasons:?}"
+    );
+    assert!(!line.contains("keepalive"), "{line}");
+    eprintln!("figure: shipped {name} -> withdrawn in {after:?}: {line}");
+    (dir, server, sidecar, line)
+}
+
 #[test]
 fn shipped_sglang_native_registers_after_its_warm_up_with_its_instance_id_and_serves_identically() {
     let dir = TempDir::new("shipped-sglang-register");
     let warmup = Duration::from_secs(3);
-    let (server, mut sidecar, took) = serving_shipped(&dir, Shipped::SglangNative, warmup);
+    let (server, sidecar, took) = serving_shipped(&dir, Shipped::SglangNative, warmup);
     let log = sidecar.proc.log_text();
     assert!(
         log.contains(
@@ -234,32 +315,22 @@ fn shipped_sglang_native_registers_after_its_warm_up_with_its_instance_id_and_se
     // The scheduler's info, which the server merges into its document.
     assert_eq!(r["model"]["kv_cache_tokens"], 65_536, "{r}");
 
-    let runtime = rt();
-    let direct = runtime.block_on(generate_all(server.grpc, "same-id"));
-    let through = runtime.block_on(generate_all(sidecar.listen, "same-id"));
+    let direct = serves_identically(&server, &sidecar, |addr| generate_all(addr, "same-id"));
     assert_eq!(direct.len(), 6, "{direct:?}");
-    assert_eq!(
-        through, direct,
-        "Generate through the sidecar is Generate direct"
-    );
     eprintln!("figure: shipped SGLang native registered {took:?} after start (warm-up {warmup:?})");
 
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
-    assert!(sidecar.records().is_empty());
+    stop_cleanly(sidecar);
 }
 
 #[test]
 fn shipped_sglang_native_scheduler_failure_is_a_loss_by_its_engine_state() {
-    let dir = TempDir::new("shipped-sglang-unhealthy");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
-    let instance = server.instance_id();
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("USR1"));
-    assert!(
-        line.contains("SGLang engine lost: liveness reported NOT_SERVING"),
-        "{line}"
+    let (_dir, server, sidecar, line) = loss_after_fault(
+        "sglang-native-unhealthy",
+        Shipped::SglangNative,
+        |server| server.proc.signal("USR1"),
+        &["liveness reported NOT_SERVING"],
     );
+    let instance = server.instance_id();
     assert!(line.ends_with(&format!("(instance {instance})")), "{line}");
     assert!(
         sidecar
@@ -267,7 +338,6 @@ fn shipped_sglang_native_scheduler_failure_is_a_loss_by_its_engine_state() {
             .log_text()
             .contains("the SGLang engine reports itself unhealthy (WatchEngineState)")
     );
-    eprintln!("figure: shipped SGLang native unhealthy -> withdrawn in {after:?}");
 }
 
 #[test]
@@ -291,63 +361,47 @@ fn shipped_sglang_native_pause_is_said_and_no_loss() {
 
 #[test]
 fn shipped_sglang_native_sigterm_is_a_loss_at_once() {
-    let dir = TempDir::new("shipped-sglang-sigterm");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("TERM"));
     // SGLang's SIGTERM makes it unhealthy at once; with no call to drain its
     // server stops a moment later, and its state stream may end before it
     // sends the unhealthy state (seen: ended 0.03 ms after publishing it).
-    assert!(
-        line.contains("SGLang engine lost: liveness reported NOT_SERVING")
-            || line.contains("SGLang engine lost: liveness stream ended"),
-        "{line}"
+    loss_after_fault(
+        "sglang-native-sigterm",
+        Shipped::SglangNative,
+        |server| server.proc.signal("TERM"),
+        &["liveness reported NOT_SERVING", "liveness stream ended"],
     );
-    eprintln!("figure: shipped SGLang native SIGTERM -> withdrawn in {after:?}");
 }
 
 #[test]
 fn shipped_sglang_native_sigkill_is_a_loss() {
-    let dir = TempDir::new("shipped-sglang-sigkill");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangNative, Duration::from_millis(500));
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("KILL"));
-    assert!(
-        line.contains("SGLang engine lost: liveness stream failed"),
-        "{line}"
+    loss_after_fault(
+        "sglang-native-sigkill",
+        Shipped::SglangNative,
+        |server| server.proc.signal("KILL"),
+        &["liveness stream failed"],
     );
-    eprintln!("figure: shipped SGLang native SIGKILL -> withdrawn in {after:?}");
 }
 
 // ---- SGLang through smg-grpc-servicer 0.14.1 ----------------------------------
 
 /// One streaming Generate on the smg API, every message as it came.
 async fn generate_all_smg(addr: SocketAddr, rid: &str) -> Vec<sglang::GenerateResponse> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut stream = sglang::sglang_scheduler_client::SglangSchedulerClient::new(channel)
-        .generate(sglang::GenerateRequest {
-            request_id: rid.to_string(),
-            tokenized: Some(sglang::TokenizedInput {
-                original_text: String::new(),
-                input_ids: vec![1, 2, 3],
-            }),
-            sampling_params: Some(sglang::SamplingParams {
-                max_new_tokens: Some(6),
-            }),
-            stream: true,
-        })
-        .await
-        .expect("Generate answers")
-        .into_inner();
-    let mut all = Vec::new();
-    while let Some(message) = stream.message().await.expect("the stream ends OK") {
-        all.push(message);
-    }
-    all
+    every_message(
+        sglang::sglang_scheduler_client::SglangSchedulerClient::new(connect(addr).await).generate(
+            sglang::GenerateRequest {
+                request_id: rid.to_string(),
+                tokenized: Some(sglang::TokenizedInput {
+                    original_text: String::new(),
+                    input_ids: vec![1, 2, 3],
+                }),
+                sampling_params: Some(sglang::SamplingParams {
+                    max_new_tokens: Some(6),
+                }),
+                stream: true,
+            },
+        ),
+    )
+    .await
 }
 
 /// The scheduler's pid, as the server printed it.
@@ -395,122 +449,91 @@ fn shipped_sglang_smg_registers_after_its_warm_up_with_its_lengths_and_serves_id
     assert_eq!(r["model"]["max_seq_len"], 4_096, "{r}");
     assert_eq!(r["model"]["max_input_len"], 4_090, "{r}");
 
-    let runtime = rt();
-    let direct = runtime.block_on(generate_all_smg(server.grpc, "same-id"));
-    let through = runtime.block_on(generate_all_smg(sidecar.listen, "same-id"));
+    let direct = serves_identically(&server, &sidecar, |addr| generate_all_smg(addr, "same-id"));
     assert!(direct.len() >= 6, "{direct:?}");
-    assert_eq!(
-        through, direct,
-        "Generate through the sidecar is Generate direct"
-    );
     // Seconds of serving: its load and health answer, no loss.
     std::thread::sleep(Duration::from_secs(2));
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
     eprintln!("figure: shipped SGLang (smg) registered {took:?} after start (warm-up {warmup:?})");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
-    assert!(sidecar.records().is_empty());
+    stop_cleanly(sidecar);
 }
 
 /// The servicer's own stop (NOT_SERVING, then `server.stop(5)`): the loss
 /// line says the engine stopped, never that a keepalive ping went unanswered.
 #[test]
 fn shipped_sglang_smg_sigterm_reads_as_the_stop_it_is() {
-    let dir = TempDir::new("shipped-smg-sigterm");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("TERM"));
-    assert!(
-        line.contains("SGLang engine lost: engine stopped: it said GOAWAY (NO_ERROR)")
-            || line.contains("SGLang engine lost: liveness reported NOT_SERVING"),
-        "{line}"
+    loss_after_fault(
+        "sglang-smg-sigterm",
+        Shipped::SglangSmg,
+        |server| server.proc.signal("TERM"),
+        &[GOAWAY_STOP, "liveness reported NOT_SERVING"],
     );
-    assert!(!line.contains("keepalive"), "{line}");
-    eprintln!("figure: shipped SGLang (smg) SIGTERM -> withdrawn in {after:?}: {line}");
 }
 
 /// The scheduler process dying: the servicer's watchdog (a 1 s poll) stops
 /// the server, and that is a loss.
 #[test]
 fn shipped_sglang_smg_scheduler_death_is_a_loss() {
-    let dir = TempDir::new("shipped-smg-scheduler");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
-    let pid = scheduler_pid(&server);
-    let (after, line) = lost_after(&mut sidecar, || {
-        let killed = std::process::Command::new("kill")
-            .args(["-KILL", &pid])
-            .status()
-            .expect("run kill")
-            .success();
-        assert!(killed, "kill the scheduler {pid}");
-    });
-    assert!(!line.contains("keepalive"), "{line}");
-    eprintln!("figure: shipped SGLang (smg) scheduler SIGKILL -> withdrawn in {after:?}: {line}");
+    loss_after_fault(
+        "sglang-smg-scheduler-killed",
+        Shipped::SglangSmg,
+        |server| {
+            let pid = scheduler_pid(server);
+            let killed = std::process::Command::new("kill")
+                .args(["-KILL", &pid])
+                .status()
+                .expect("run kill")
+                .success();
+            assert!(killed, "kill the scheduler {pid}");
+        },
+        &[GOAWAY_STOP, "liveness reported NOT_SERVING"],
+    );
 }
 
 /// The scheduler stalled (a request pending, nothing from the scheduler for
 /// over 30 s): the servicer's own stall check turns its service NOT_SERVING.
 #[test]
 fn shipped_sglang_smg_scheduler_stall_is_a_loss() {
-    let dir = TempDir::new("shipped-smg-stall");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("USR1"));
-    assert!(
-        line.contains("SGLang engine lost: liveness reported NOT_SERVING"),
-        "{line}"
+    loss_after_fault(
+        "sglang-smg-stall",
+        Shipped::SglangSmg,
+        |server| server.proc.signal("USR1"),
+        &["liveness reported NOT_SERVING"],
     );
-    eprintln!("figure: shipped SGLang (smg) scheduler stall -> withdrawn in {after:?}");
 }
 
 #[test]
 fn shipped_sglang_smg_sigkill_is_a_loss() {
-    let dir = TempDir::new("shipped-smg-sigkill");
-    let (server, mut sidecar, _) =
-        serving_shipped(&dir, Shipped::SglangSmg, Duration::from_millis(500));
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("KILL"));
-    assert!(
-        line.contains(
-            "SGLang engine lost: engine connection lost: the engine closed the connection"
-        ) || line.contains("SGLang engine lost: engine connection lost: the connection was reset")
-            || line.contains("SGLang engine lost: health check failed"),
-        "{line}"
+    loss_after_fault(
+        "sglang-smg-sigkill",
+        Shipped::SglangSmg,
+        |server| server.proc.signal("KILL"),
+        CONNECTION_GONE,
     );
-    eprintln!("figure: shipped SGLang (smg) SIGKILL -> withdrawn in {after:?}: {line}");
 }
 
 // ---- vLLM 0.34.0's launcher with smg-grpc-servicer 0.14.1 ----------------------
 
 /// One streaming Generate on vLLM's API, every message as it came.
 async fn generate_all_vllm(addr: SocketAddr, rid: &str) -> Vec<vllm::GenerateResponse> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut stream = vllm::vllm_engine_client::VllmEngineClient::new(channel)
-        .generate(vllm::GenerateRequest {
-            request_id: rid.to_string(),
-            input: Some(vllm::generate_request::Input::Tokenized(
-                vllm::TokenizedInput {
-                    original_text: String::new(),
-                    input_ids: vec![1, 2, 3],
-                },
-            )),
-            sampling_params: Some(vllm::SamplingParams {
-                max_tokens: Some(6),
-            }),
-            stream: true,
-        })
-        .await
-        .expect("Generate answers")
-        .into_inner();
-    let mut all = Vec::new();
-    while let Some(message) = stream.message().await.expect("the stream ends OK") {
-        all.push(message);
-    }
-    all
+    every_message(
+        vllm::vllm_engine_client::VllmEngineClient::new(connect(addr).await).generate(
+            vllm::GenerateRequest {
+                request_id: rid.to_string(),
+                input: Some(vllm::generate_request::Input::Tokenized(
+                    vllm::TokenizedInput {
+                        original_text: String::new(),
+                        input_ids: vec![1, 2, 3],
+                    },
+                )),
+                sampling_params: Some(vllm::SamplingParams {
+                    max_tokens: Some(6),
+                }),
+                stream: true,
+            },
+        ),
+    )
+    .await
 }
 
 #[test]
@@ -522,62 +545,44 @@ fn shipped_vllm_registers_with_its_version_and_serves_identically() {
     assert_eq!(r["engine"]["version"], "0.34.0", "GetLoads says it: {r}");
     assert_eq!(r["model"]["name"], "shipped-vllm", "{r}");
     assert_eq!(r["model"]["max_seq_len"], 4_096, "{r}");
-    let runtime = rt();
-    let direct = runtime.block_on(generate_all_vllm(server.grpc, "same-id"));
-    let through = runtime.block_on(generate_all_vllm(sidecar.listen, "same-id"));
+    let direct = serves_identically(&server, &sidecar, |addr| generate_all_vllm(addr, "same-id"));
     assert!(direct.len() >= 6, "{direct:?}");
-    assert_eq!(
-        through, direct,
-        "Generate through the sidecar is Generate direct"
-    );
     std::thread::sleep(Duration::from_secs(2));
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
     eprintln!("figure: shipped vLLM registered {took:?} after its server listened");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
-    assert!(sidecar.records().is_empty());
+    stop_cleanly(sidecar);
 }
 
 /// A dead engine core (AsyncLLM.errored): the health servicer's
 /// `check_health()` fails, its services answer NOT_SERVING at the next Check.
 #[test]
 fn shipped_vllm_dead_engine_core_is_a_loss() {
-    let dir = TempDir::new("shipped-vllm-dead-core");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("USR1"));
-    assert!(
-        line.contains("vLLM engine lost: liveness reported NOT_SERVING"),
-        "{line}"
+    loss_after_fault(
+        "vllm-dead-engine-core",
+        Shipped::Vllm,
+        |server| server.proc.signal("USR1"),
+        &["liveness reported NOT_SERVING"],
     );
-    eprintln!("figure: shipped vLLM dead engine core -> withdrawn in {after:?}");
 }
 
 /// The launcher's own stop (NOT_SERVING, then `server.stop(5)`): read as
 /// the stop it is, never as a keepalive timeout.
 #[test]
 fn shipped_vllm_sigterm_reads_as_the_stop_it_is() {
-    let dir = TempDir::new("shipped-vllm-sigterm");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("TERM"));
-    assert!(
-        line.contains("vLLM engine lost: engine stopped: it said GOAWAY (NO_ERROR)")
-            || line.contains("vLLM engine lost: liveness reported NOT_SERVING"),
-        "{line}"
+    loss_after_fault(
+        "vllm-sigterm",
+        Shipped::Vllm,
+        |server| server.proc.signal("TERM"),
+        &[GOAWAY_STOP, "liveness reported NOT_SERVING"],
     );
-    assert!(!line.contains("keepalive"), "{line}");
-    eprintln!("figure: shipped vLLM SIGTERM -> withdrawn in {after:?}: {line}");
 }
 
 #[test]
 fn shipped_vllm_sigkill_is_a_loss() {
-    let dir = TempDir::new("shipped-vllm-sigkill");
-    let (server, mut sidecar, _) = serving_shipped(&dir, Shipped::Vllm, Duration::ZERO);
-    let (after, line) = lost_after(&mut sidecar, || server.proc.signal("KILL"));
-    assert!(
-        line.contains("vLLM engine lost: engine connection lost: the engine closed the connection")
-            || line.contains("vLLM engine lost: engine connection lost: the connection was reset")
-            || line.contains("vLLM engine lost: health check failed"),
-        "{line}"
+    loss_after_fault(
+        "vllm-sigkill",
+        Shipped::Vllm,
+        |server| server.proc.signal("KILL"),
+        CONNECTION_GONE,
     );
-    eprintln!("figure: shipped vLLM SIGKILL -> withdrawn in {after:?}: {line}");
 }

@@ -110,9 +110,8 @@ pub(crate) async fn watch_liveness(
     }
 }
 
-/// Polls `Check` on `service` every `every` until it fails or `cancel` fires:
-/// the first answer and every change are reported; a failure (or no answer
-/// within `bound`) is reported once and ends the poll.
+/// Polls `Check` on `service` every `every` until it fails or `cancel` fires
+/// ([`poll`]).
 pub(crate) async fn poll_health(
     channel: Channel,
     service: String,
@@ -121,7 +120,33 @@ pub(crate) async fn poll_health(
     events: mpsc::Sender<Event>,
     cancel: CancellationToken,
 ) {
-    let mut client = HealthClient::new(channel);
+    let client = HealthClient::new(channel);
+    let check = move || {
+        let mut client = client.clone();
+        let service = service.clone();
+        async move {
+            client
+                .check(HealthCheckRequest { service })
+                .await
+                .map(|answer| answer.into_inner().status)
+        }
+    };
+    poll(check, every, bound, events, cancel).await;
+}
+
+/// Asks `check` for the engine's raw serving status every `every` until it
+/// fails or `cancel` fires: the first answer and every change are reported; a
+/// failure (or no answer within `bound`) is reported once and ends the poll.
+pub(super) async fn poll<F, Fut>(
+    mut check: F,
+    every: Duration,
+    bound: Duration,
+    events: mpsc::Sender<Event>,
+    cancel: CancellationToken,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<i32, tonic::Status>>,
+{
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last: Option<i32> = None;
@@ -130,16 +155,12 @@ pub(crate) async fn poll_health(
             () = cancel.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let check = client.check(HealthCheckRequest {
-            service: service.clone(),
-        });
         let answer = tokio::select! {
             () = cancel.cancelled() => return,
-            answer = tokio::time::timeout(bound, check) => answer,
+            answer = tokio::time::timeout(bound, check()) => answer,
         };
         let observation = match answer {
-            Ok(Ok(response)) => {
-                let status = response.into_inner().status;
+            Ok(Ok(status)) => {
                 if last == Some(status) {
                     continue;
                 }

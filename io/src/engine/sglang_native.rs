@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
 
-use super::monitors::{open_stream, watch_connection};
+use super::monitors::{open_stream, poll, watch_connection};
 use super::{
     ConnectionWatch, EngineError, EngineInfo, EngineKind, Probed, UNKNOWN_VERSION, bounded,
 };
@@ -161,12 +161,12 @@ pub(super) async fn healthy(channel: &Channel, bound: Duration) -> Result<bool, 
 }
 
 /// `healthy` as the core reads liveness: SERVING or NOT_SERVING.
-fn as_status(healthy: bool) -> LivenessObservation {
-    LivenessObservation::Status(if healthy {
+fn serving_status(healthy: bool) -> i32 {
+    if healthy {
         ServingStatus::Serving as i32
     } else {
         ServingStatus::NotServing as i32
-    })
+    }
 }
 
 /// Where the followed state stands, for the lines said on a change.
@@ -182,7 +182,7 @@ impl Seen {
     /// said, and the worker stays registered (calls wait for
     /// ContinueGeneration, as they would behind any router).
     fn observe(&mut self, state: &EngineState) -> [Event; 2] {
-        if self.healthy.is_some_and(|was| was != state.healthy) && !state.healthy {
+        if self.healthy == Some(true) && !state.healthy {
             tracing::info!(
                 revision = state.revision,
                 "the SGLang engine reports itself unhealthy (WatchEngineState)"
@@ -205,7 +205,7 @@ impl Seen {
             }
         }
         [
-            Event::Liveness(as_status(state.healthy)),
+            Event::Liveness(LivenessObservation::Status(serving_status(state.healthy))),
             Event::IdentityObserved {
                 identity: state.instance_id.to_string(),
             },
@@ -287,10 +287,10 @@ pub(crate) async fn follow_state(
     }
 }
 
-/// A server without `WatchEngineState`: its `HealthCheck` every `every`
-/// (the first answer and each change reported; a failure once, and the
-/// poll ends) and its connection, which stands for its identity. Without
-/// `HealthCheck` either, the connection alone.
+/// A server without `WatchEngineState`: its `HealthCheck` polled as a
+/// grpc.health.v1 Check is ([`poll`]: healthy is SERVING; UNIMPLEMENTED on
+/// the first poll is the core's "engine without the service", one WARN) and
+/// its connection followed, which stands for its identity.
 async fn poll_health_check(
     channel: Channel,
     every: Duration,
@@ -299,51 +299,21 @@ async fn poll_health_check(
     events: mpsc::Sender<Event>,
     cancel: CancellationToken,
 ) {
+    tracing::info!(
+        "the SGLang server does not serve WatchEngineState (older than 0.5.23): its \
+         HealthCheck is polled every {} and its connection followed",
+        HumanDuration(every)
+    );
     tokio::spawn(watch_connection(connection, events.clone(), cancel.clone()));
-    let mut ticker = tokio::time::interval(every);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last = None;
-    loop {
-        tokio::select! {
-            () = cancel.cancelled() => return,
-            _ = ticker.tick() => {}
+    let client = SglangServiceClient::new(channel);
+    let check = move || {
+        let mut client = client.clone();
+        async move {
+            client
+                .health_check(HealthCheckRequest {})
+                .await
+                .map(|answer| serving_status(answer.into_inner().healthy))
         }
-        let answer = tokio::select! {
-            () = cancel.cancelled() => return,
-            answer = healthy(&channel, bound) => answer,
-        };
-        let observation = match answer {
-            Ok(now) if last == Some(now) => continue,
-            Ok(now) => {
-                if last.is_none() {
-                    tracing::info!(
-                        "the SGLang server does not serve WatchEngineState (older than 0.5.23): \
-                         its HealthCheck is polled every {} and its connection followed",
-                        HumanDuration(every)
-                    );
-                }
-                last = Some(now);
-                as_status(now)
-            }
-            Err(e) if e.unserved_call().is_some() && last.is_none() => {
-                tracing::warn!(
-                    "the SGLang server serves neither WatchEngineState nor HealthCheck: only its \
-                     connection is followed, so an engine that stops serving with the \
-                     connection open is noticed by its stale load alone"
-                );
-                return;
-            }
-            Err(e) => LivenessObservation::CheckFailed {
-                code: match &e {
-                    EngineError::Call { code, .. } => *code as i32,
-                    _ => tonic::Code::DeadlineExceeded as i32,
-                },
-                message: e.to_string(),
-            },
-        };
-        let healthy_still = matches!(observation, LivenessObservation::Status(s) if s == ServingStatus::Serving as i32);
-        if events.send(Event::Liveness(observation)).await.is_err() || !healthy_still {
-            return;
-        }
-    }
+    };
+    poll(check, every, bound, events, cancel).await;
 }

@@ -30,7 +30,7 @@ import types
 os.dup2(2, 1)
 sys.stdout = sys.stderr
 
-import engine_stand_ins  # noqa: E402,F401  (before any SGLang import)
+from engine_stand_ins import Fields  # noqa: E402  (installs the stand-ins: before any SGLang import)
 
 import sglang  # noqa: E402
 import sglang.srt.runtime_context as runtime_context  # noqa: E402
@@ -42,19 +42,7 @@ port = int(sys.argv[1])
 warmup = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
 
 
-class _Config:
-    """A config namespace as SGLang publishes it: the named leaves, None for any other."""
-
-    def __init__(self, **leaves):
-        self.__dict__.update(leaves)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return None
-
-
-class ServerArgs(_Config):
+class ServerArgs(Fields):
     def resolved_dict(self):
         return {
             "model_path": "/models/shipped-sglang",
@@ -70,7 +58,7 @@ server_args = ServerArgs(
     launch_command=f"python -m sglang.launch_server --grpc-port {port}",
 )
 runtime_context._CONTEXT._config_bags = {
-    "serving": _Config(
+    "serving": Fields(
         host="127.0.0.1",
         grpc_port=port,
         tokenizer_path="/models/shipped-sglang",

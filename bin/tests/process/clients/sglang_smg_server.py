@@ -28,7 +28,7 @@ import time
 os.dup2(2, 1)
 sys.stdout = sys.stderr
 
-import engine_stand_ins  # noqa: E402,F401  (before any SGLang import)
+from engine_stand_ins import Fields  # noqa: E402  (installs the stand-ins: before any SGLang import)
 
 import logging  # noqa: E402
 
@@ -132,26 +132,14 @@ async def launch_stand_in_scheduler(server_args, bootstrap_server=None):
     return scheduler_info, None, [scheduler], RequestManager()
 
 
-class _Given:
-    """These values; None for anything else (nothing configured)."""
-
-    def __init__(self, **values):
-        self.__dict__.update(values)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return None
-
-
 class _ConfigView:
     """EngineConfigView's answers for this stand-in model."""
 
     def __init__(self, *args, **kwargs):
-        self.model = _Given(
+        self.model = Fields(
             id2label=None, num_labels=0, model_type="llama", architectures=["LlamaForCausalLM"]
         )
-        self.server_args = _Given(attention_dp_width=1)
+        self.server_args = Fields(attention_dp_width=1)
 
 
 _wait_and_warmup = smg_server._wait_and_warmup_grpc
@@ -171,12 +159,12 @@ class _Published(dict):
         return True
 
     def __missing__(self, name):
-        return _Given()
+        return Fields()
 
 
 import sglang.srt.runtime_context as runtime_context  # noqa: E402
 
-runtime_context._CONTEXT._config_bags = _Published(serving=_Given())
+runtime_context._CONTEXT._config_bags = _Published(serving=Fields())
 smg_server.publish = lambda *args, **kwargs: None
 smg_server._launch_scheduler_with_request_manager = launch_stand_in_scheduler
 class ModelConfig:
