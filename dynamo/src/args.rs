@@ -238,7 +238,7 @@ impl Args {
                 handshake_timeout: Duration::from_secs(10),
                 idle_timeout: Duration::from_secs(300),
                 control_frame_budget: 1000,
-                engine_connections: self.grpc_connections,
+                engine_connections: Some(self.grpc_connections),
             },
             tls: None,
             etcd_tls: None,

@@ -104,7 +104,7 @@ fn worker_config(s: &Settings) -> WorkerConfig {
 async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
     let timings = settings.run.timings.clone();
     let channel_settings = timings.engine_channel();
-    let channels: Result<Vec<_>, _> = (0..settings.run.limits.engine_connections)
+    let channels: Result<Vec<_>, _> = (0..settings.run.limits.engine_connections.unwrap_or(1))
         .map(|_| {
             engine::endpoint(&settings.run.engine_endpoint, channel_settings)
                 .map(|e| e.connect_lazy())

@@ -640,7 +640,7 @@ fn engine_side(
         &config.engine_endpoint,
         channel,
         stream_limit.clone(),
-        config.limits.engine_connections as usize,
+        config.limits.engine_connections.map(|n| n as usize),
     )
     .map_err(|e| bad_address(e.to_string()))?;
     Ok((endpoint, stream_limit, pool))

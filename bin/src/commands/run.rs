@@ -92,9 +92,10 @@ pub struct RunArgs {
     /// bytes; a larger one fails that call with RESOURCE_EXHAUSTED.
     #[arg(long, env = "SIDECAR_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_message_bytes: u32,
-    /// Concurrent calls (HTTP/2 streams) one client connection may have open,
-    /// and engine streams one client address may hold across its connections
-    /// (both never more than half of what the engine takes through the pool).
+    /// Concurrent calls (HTTP/2 streams) one client connection may have open.
+    /// A client address is not capped across its connections: it may take
+    /// every engine stream nobody else wants, and when they run short each
+    /// address gets its fair share at once and the rest wait in turn.
     #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = 2048)]
     pub max_concurrent_streams: u32,
     /// Largest header list (metadata) a client may send, and an engine answer
@@ -120,8 +121,11 @@ pub struct RunArgs {
     pub control_frame_budget: u32,
     /// HTTP/2 connections to the engine at most: another opens only when every
     /// open one carries as many calls as the engine allows per connection.
-    #[arg(long, env = "SIDECAR_ENGINE_CONNECTIONS", default_value_t = 4)]
-    pub engine_connections: u32,
+    /// Default: as many as 32,768 engine streams need at the engine's limit
+    /// per connection (16 at 2,048), of which clients may take 16,384 before
+    /// they compete. Set, clients may take half of what N connections carry.
+    #[arg(long, env = "SIDECAR_ENGINE_CONNECTIONS")]
+    pub engine_connections: Option<u32>,
     /// Serve the request plane over TLS with this certificate chain (PEM, leaf
     /// first). Needs --tls-key. Callers then connect with https:// and ALPN h2.
     #[arg(long, env = "SIDECAR_TLS_CERT", requires = "tls_key")]

@@ -1441,46 +1441,59 @@ fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
 
+/// `calls` Generate calls of 1,000 tokens on each of `connections`
+/// connections from `address`: at the tests' 100 ms per token, none ends
+/// while a test looks.
+fn hold_streams(listen: SocketAddr, address: &str, connections: u32, calls: u32) -> Vec<RawH2> {
+    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let address: std::net::IpAddr = address.parse().expect("address");
+    (0..connections)
+        .map(|c| {
+            let mut raw = RawH2::connect_from(address, listen);
+            let mut out = raw_h2::preface(&[]);
+            for n in 0..calls {
+                let message = generate(&format!("{address}-{c}-{n}"), 1_000).encode_to_vec();
+                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
+            }
+            raw.send(&out).expect("the calls");
+            raw
+        })
+        .collect()
+}
+
+/// Waits until the engine has started `n` Generate calls, then a moment more
+/// for any it should not have; returns how many it started.
+fn engine_started_settled(mock: &Mock, n: u64) -> u64 {
+    let started = || mock.stats()["generate_started"].as_u64().unwrap_or(0);
+    let start = std::time::Instant::now();
+    while started() < n && start.elapsed() < HANG {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    started()
+}
+
 /// Attack 6 of hardening round three, across connections: one address opens
-/// four connections, each with as many calls as the sidecar lets one
-/// connection hold (half of the 80 streams the engine takes through the
-/// pool's 4 connections). Counted per connection only, they held all 80 and
-/// a call from another address got no answer while `/ready` said 200; an
-/// address's connections now share one budget, 40, and the other caller is
-/// answered at once.
+/// four connections of 40 calls each. Counted per connection only, they held
+/// every engine stream and a call from another address got no answer while
+/// `/ready` said 200. With `--engine-connections 4` on an engine of 20
+/// streams per connection (80 in all), callers take 40 before they compete:
+/// the address alone takes those 40, and another address is answered at once
+/// from the 40 kept for callers under their share. (The flag is new here:
+/// the sidecar's default no longer caps an address that is alone, which
+/// `one_address_alone_gets_every_engine_stream_it_asks_for` shows.)
 #[test]
 fn one_address_on_many_connections_holds_no_more_engine_streams_than_one_connection_may() {
     let dir = TempDir::new("address-budget");
     let (mock, mut sidecar) = serving(
         &dir.0,
         &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
-        &[],
+        &["--engine-connections", "4"],
     );
     let listen = sidecar.listen;
-    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-    let holder: std::net::IpAddr = "127.0.0.2".parse().expect("address");
-    let held: Vec<RawH2> = (0..4)
-        .map(|c| {
-            let mut raw = RawH2::connect_from(holder, listen);
-            let mut out = raw_h2::preface(&[]);
-            for n in 0..40 {
-                let message = generate(&format!("holder-{c}-{n}"), 1_000).encode_to_vec();
-                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
-            }
-            raw.send(&out).expect("the holder's calls");
-            raw
-        })
-        .collect();
-    // Until the engine has every call the sidecar lets through, and a moment
-    // more for any it should not.
-    let started = || mock.stats()["generate_started"].as_u64().unwrap_or(0);
-    let start = std::time::Instant::now();
-    while started() < 40 && start.elapsed() < HANG {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_secs(1));
+    let held = hold_streams(listen, "127.0.0.2", 4, 40);
     assert_eq!(
-        started(),
+        engine_started_settled(&mock, 40),
         40,
         "one address holds 40 engine streams, on any number of connections"
     );
@@ -1490,6 +1503,69 @@ fn one_address_on_many_connections_holds_no_more_engine_streams_than_one_connect
         "a caller at another address is answered beside the holder's 160 calls"
     );
     drop(held);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+/// Fairness is not a ceiling (issue 38): on default flags, one address —
+/// a router — alone takes every engine stream it asks for, on an engine of
+/// 20 streams per connection, through as many engine connections as that
+/// takes. A per-address budget of half the pool held it to 40 of its 160.
+#[test]
+fn one_address_alone_gets_every_engine_stream_it_asks_for() {
+    let dir = TempDir::new("address-alone");
+    let (mock, mut sidecar) = serving(
+        &dir.0,
+        &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
+        &[],
+    );
+    let held = hold_streams(sidecar.listen, "127.0.0.2", 4, 40);
+    assert_eq!(
+        engine_started_settled(&mock, 160),
+        160,
+        "one address alone has all 160 of its calls at the engine"
+    );
+    drop(held);
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}
+
+/// When engine streams run short, a hostile address that took all it could
+/// while alone starves nobody: each newcomer gets its fair share at once,
+/// what is over its share waits, and waiting calls go on as streams end.
+/// `--engine-connections 4` on an engine of 20 streams per connection: 40
+/// before callers compete, 80 in all.
+#[test]
+fn when_engine_streams_run_short_each_address_gets_its_share_at_once() {
+    let dir = TempDir::new("address-shares");
+    let (mock, mut sidecar) = serving(
+        &dir.0,
+        &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
+        &["--engine-connections", "4"],
+    );
+    let listen = sidecar.listen;
+    let hostile = hold_streams(listen, "127.0.0.2", 4, 40);
+    assert_eq!(engine_started_settled(&mock, 40), 40, "the hostile address");
+    // A second address asks for 30: its share of 40 between two is 20.
+    let _second = hold_streams(listen, "127.0.0.3", 1, 30);
+    assert_eq!(
+        engine_started_settled(&mock, 60),
+        60,
+        "the second address gets its share, 20, at once, and no more"
+    );
+    assert_eq!(
+        generate_or_give_up(listen, "a-third-address", 2),
+        Ok(3),
+        "a third address is answered at once beside both"
+    );
+    // The hostile address goes: its 40 streams end, and the second
+    // address's 10 waiting calls reach the engine.
+    drop(hostile);
+    assert_eq!(
+        engine_started_settled(&mock, 71),
+        71,
+        "the second address's waiting calls go on as streams end"
+    );
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }

@@ -3,7 +3,8 @@
 //! `bash scripts/bench.sh` runs both (it installs nginx and builds release first).
 //! Alone: `cargo test --release -p llm-sidecar --test process perf:: -- --ignored --nocapture --test-threads 1`
 //! Knobs: PERF_SECS (5), PERF_REPS (3), PERF_STREAMS ("1,16,64,256"), DETECT_RUNS (20);
-//! the paced run: PACE_MS (20), PACE_TOKENS (64), PACE_STREAMS ("64,512,2048");
+//! the paced run: PACE_MS (by default per point, see `paced_latency_side_by_side`),
+//! PACE_TOKENS (64), PACE_STREAMS ("64,512,2048,8192");
 //! both: PERF_SIDECAR_THREADS, PERF_BASELINE_BIN (another llm-sidecar build
 //! measured beside this one, e.g. the commit before a change, or the same
 //! binary) and PERF_BASELINE_THREADS (its --worker-threads).
@@ -316,28 +317,91 @@ fn proxy_cost_side_by_side() {
     );
 }
 
-/// The engine at a real engine's pace (`PACE_MS` per token, 20 by default:
-/// 50 tokens/s per stream), `PACE_TOKENS` (64) per call, at `PACE_STREAMS`
-/// ("64,512,2048") streams over one connection per 64: what the sidecar and
-/// nginx *add* to the first token and to each gap between tokens, and what
-/// each costs in CPU, against the engine direct, side by side in one run.
+/// The engine at a real engine's pace, `PACE_TOKENS` (64) per call, at
+/// `PACE_STREAMS` ("64,512,2048,8192") streams over one connection per 64,
+/// all from one address as a router sends: what the sidecar and nginx *add*
+/// to the first token and to each gap between tokens, and what each costs in
+/// CPU, against the engine direct, side by side in one run.
+///
+/// The pace is `PACE_MS` per token where it is set; else each point gets the
+/// slowest of 20 ms and what keeps the engine's whole output within 20,000
+/// tokens/s per core of this machine (rounded up to 10 ms), so that the
+/// engine and the load generator still fit beside the proxy: on 2 cores,
+/// 8,192 streams run at 210 ms per token. Each pace gets an engine, sidecar
+/// and nginx of its own.
 #[test]
 #[ignore = "benchmark; run with --ignored --nocapture"]
 fn paced_latency_side_by_side() {
-    let pace_ms: u64 = env_or("PACE_MS", 20);
     let tokens: u32 = env_or("PACE_TOKENS", 64);
     let secs: u64 = env_or("PERF_SECS", 10);
     let reps: usize = env_or("PERF_REPS", 3);
     let streams: Vec<usize> = std::env::var("PACE_STREAMS")
-        .unwrap_or_else(|_| "64,512,2048".into())
+        .unwrap_or_else(|_| "64,512,2048,8192".into())
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
         .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pace_of = |streams: usize| -> u64 {
+        std::env::var("PACE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| {
+                let fits = (streams as u64 * 1000).div_ceil(20_000 * cores as u64);
+                fits.div_ceil(10).max(2) * 10
+            })
+    };
+    let threads = std::env::var("PERF_SIDECAR_THREADS").unwrap_or_default();
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "machine: {cores} cores; {tokens} tokens per call, one bench connection per 64 streams, \
+         one address; {secs}s per run, median of {reps} runs; llm-sidecar {} thread(s), default \
+         flags otherwise; nginx 2 workers\n",
+        if threads.is_empty() { "1" } else { &threads },
+    );
+    let _ = writeln!(
+        report,
+        "| streams | ms per token | path | tokens/s | vs direct | TTFT p50/p99 (ms) | added TTFT p50/p99 (ms) | ITL p50/p99 (ms) | added ITL p50/p99 (ms) | proxy CPU s per s | proxy CPU s per 1M msgs | errors | peak RSS (MiB) |"
+    );
+    let _ = writeln!(
+        report,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let mut paces: Vec<u64> = streams.iter().map(|&c| pace_of(c)).collect();
+    paces.dedup();
+    for pace_ms in paces {
+        let points: Vec<usize> = streams
+            .iter()
+            .copied()
+            .filter(|&c| pace_of(c) == pace_ms)
+            .collect();
+        paced_points(
+            &mut report,
+            pace_ms,
+            &points,
+            (tokens, secs, reps),
+            &threads,
+        );
+    }
+    println!("{report}");
+    let _ = std::fs::write(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-paced.md"),
+        &report,
+    );
+}
+
+/// The rows of `points` at one pace, each path measured side by side.
+fn paced_points(
+    report: &mut String,
+    pace_ms: u64,
+    points: &[usize],
+    (tokens, secs, reps): (u32, u64, usize),
+    threads: &str,
+) {
     let dir = TempDir::new("paced");
     let delay = format!("{pace_ms}ms");
     let mock = Mock::start(&dir.0, free_addr(), &["--token-delay", &delay]);
-    let threads = std::env::var("PERF_SIDECAR_THREADS").unwrap_or_default();
-    let sidecar_flags = threads_flags(&threads);
+    let sidecar_flags = threads_flags(threads);
     let sidecar = Sidecar::start(&dir.0, mock.grpc, &sidecar_flags);
     sidecar.wait_for_record(HANG);
     let nginx = start_nginx(&dir.0, mock.grpc);
@@ -361,21 +425,7 @@ fn paced_latency_side_by_side() {
             _ => vec![],
         }
     };
-    let mut report = String::new();
-    let _ = writeln!(
-        report,
-        "machine: {} cores; mock {pace_ms} ms per token, {tokens} tokens per call, one bench \
-         connection per 64 streams; {secs}s per run, median of {reps} runs; llm-sidecar {} \
-         thread(s), nginx 2 workers\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
-        if threads.is_empty() { "1" } else { &threads },
-    );
-    let _ = writeln!(
-        report,
-        "| streams | path | tokens/s | TTFT p50/p99 (ms) | added TTFT p50/p99 (ms) | ITL p50/p99 (ms) | added ITL p50/p99 (ms) | proxy CPU s per s | proxy CPU s per 1M msgs | errors |"
-    );
-    let _ = writeln!(report, "|---|---|---|---|---|---|---|---|---|---|");
-    for &c in &streams {
+    for &c in points {
         // tokens/s, ttft p50, p99, itl p50, p99, cpu per s, cpu per 1M, errors
         let mut rows: BTreeMap<&str, [Vec<f64>; 7]> = BTreeMap::new();
         let mut errors: BTreeMap<&str, u64> = BTreeMap::new();
@@ -419,10 +469,17 @@ fn paced_latency_side_by_side() {
                     format!("{:.3}", med(name, i))
                 }
             };
+            let pids = pids_of(name);
+            let rss = if pids.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.1}", peak_rss_of(&pids) as f64 / 1024.0)
+            };
             let _ = writeln!(
                 report,
-                "| {c} | {name} | {:.0} | {:.2}/{:.2} | {}/{} | {:.2}/{:.2} | {}/{} | {} | {} | {} |",
+                "| {c} | {pace_ms} | {name} | {:.0} | {:.3}× | {:.2}/{:.2} | {}/{} | {:.2}/{:.2} | {}/{} | {} | {} | {} | {rss} |",
                 med(name, 0),
+                med(name, 0) / med("direct", 0),
                 med(name, 1),
                 med(name, 2),
                 added(1),
@@ -441,29 +498,12 @@ fn paced_latency_side_by_side() {
             );
         }
     }
-    let _ = writeln!(
-        report,
-        "\nllm-sidecar peak RSS over the run: {:.1} MiB",
-        peak_rss_of(&[sidecar.proc.pid()]) as f64 / 1024.0
-    );
-    if let Some(b) = &baseline {
-        let _ = writeln!(
-            report,
-            "llm-sidecar baseline peak RSS over the run: {:.1} MiB",
-            peak_rss_of(&[b.proc.pid()]) as f64 / 1024.0
-        );
-    }
     if nginx.is_none() {
         let _ = writeln!(
             report,
             "\nnginx not installed: run scripts/bench.sh, which installs it"
         );
     }
-    println!("{report}");
-    let _ = std::fs::write(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/perf-paced.md"),
-        &report,
-    );
 }
 
 /// What to do to the engine, and the flags that make the sidecar notice.

@@ -5,6 +5,7 @@
 //! connection's calls (`calls.rs`).
 
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -13,7 +14,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -79,7 +79,6 @@ pub(crate) async fn serve(
             continue;
         };
         refusing = false;
-        let engine_streams = plane.caller_streams.of(peer.ip(), plane.stream_cap());
         let _ = stream.set_nodelay(true);
         let stream = LingeringClose::new(stream);
         let plane = plane.clone();
@@ -88,7 +87,7 @@ pub(crate) async fn serve(
         connections.spawn(async move {
             let _slot = slot;
             let Some(tls) = tls else {
-                return serve_connection(stream, plane, cancel, engine_streams).await;
+                return serve_connection(stream, plane, cancel, peer.ip()).await;
             };
             let handshake =
                 tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream));
@@ -109,7 +108,7 @@ pub(crate) async fn serve(
                     }
                 },
             };
-            serve_connection(stream, plane, cancel, engine_streams).await;
+            serve_connection(stream, plane, cancel, peer.ip()).await;
         });
     }
 }
@@ -152,16 +151,12 @@ const CALLER_STREAM_SEND_BUFFER: usize = 16 << 10;
 
 /// One caller connection: HTTP/2 only, until it ends, its handshake or idle
 /// time runs out, it floods, or the sidecar exits.
-async fn serve_connection<IO>(
-    io: IO,
-    plane: Arc<Plane>,
-    cancel: CancellationToken,
-    engine_streams: Arc<Semaphore>,
-) where
+async fn serve_connection<IO>(io: IO, plane: Arc<Plane>, cancel: CancellationToken, address: IpAddr)
+where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let limits = plane.limits;
-    let watched = Watched::new(engine_streams);
+    let watched = Watched::new(address);
     let io = FrameWatch::new(io, watched.clone(), limits.control_frame_budget);
     let handshake = h2::server::Builder::new()
         .max_send_buffer_size(CALLER_STREAM_SEND_BUFFER)

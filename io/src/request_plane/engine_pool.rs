@@ -1,8 +1,9 @@
 //! The request plane's connections to the engine: one to start with, another
-//! (up to `--engine-connections`) only when every open one carries as many
-//! calls as the engine's SETTINGS allow on a connection. Without that, one
-//! caller holding the engine's whole stream limit would make every other
-//! caller's call wait behind it in h2's queue. Each call goes to the
+//! only when every open one carries as many calls as the engine's SETTINGS
+//! allow on a connection, up to what the engine streams the sidecar may hold
+//! need ([`Sizing`]; `--engine-connections` sets the number instead). Without
+//! that, one caller holding the engine's whole stream limit would make every
+//! other caller's call wait behind it in h2's queue. Each call goes to the
 //! connection with the fewest of the sidecar's calls on it.
 //!
 //! Each connection is an `h2` client connection of its own, driven by one
@@ -25,6 +26,7 @@ use bytes::Bytes;
 use h2::SendStream;
 use h2::client::{ResponseFuture, SendRequest};
 
+use super::engine_streams::EngineStream;
 use crate::engine::{
     ChannelSettings, ENGINE_CONNECTION_WINDOW, ENGINE_MAX_HEADER_LIST_BYTES, ENGINE_STREAM_WINDOW,
     ReadsPerTurn, StreamLimit,
@@ -47,6 +49,15 @@ const INITIAL_MAX_SEND_STREAMS: usize = 100;
 /// callers with a window of zero held all of it, and another call on that
 /// connection got no byte in 20 s (docs/RELIABILITY.md, "Flow control").
 pub(crate) const STREAMS_PER_CONNECTION: u32 = ENGINE_CONNECTION_WINDOW / ENGINE_STREAM_WINDOW / 2;
+
+/// The engine streams callers may take without competing (`engine_streams`)
+/// when `--engine-connections` is not given: twice as many may be held when
+/// callers compete, and each may make the sidecar hold one engine stream
+/// window of answer unread by its caller, so the sidecar holds at most
+/// 2 GiB of answers (32,768 × 64 KiB). It is four times the most streams a
+/// router was measured to keep open on one engine (8,192), which this lets
+/// through whole; past it, calls wait in turn instead of failing.
+pub(crate) const OPEN_STREAMS: usize = 16_384;
 
 /// How much request data one engine stream may hold unsent (hyper's default).
 const MAX_SEND_BUFFER_BYTES: usize = 1 << 20;
@@ -137,8 +148,44 @@ impl Pooled {
 /// The engine connections of the request plane.
 pub(crate) struct EnginePool {
     target: Arc<Target>,
-    max_connections: usize,
+    sizing: Sizing,
     connections: Mutex<Vec<Arc<Pooled>>>,
+}
+
+/// How many engine streams and connections the request plane uses, from the
+/// engine's stream limit per connection (its SETTINGS) and the operator's
+/// `--engine-connections`, if given.
+#[derive(Clone)]
+pub(crate) struct Sizing {
+    limit: StreamLimit,
+    connections: Option<usize>,
+}
+
+impl Sizing {
+    /// The streams one connection carries: the engine's limit, and never
+    /// more than [`STREAMS_PER_CONNECTION`].
+    fn streams_per_connection(&self) -> usize {
+        self.limit.get().map_or(STREAMS_PER_CONNECTION, |limit| {
+            limit.clamp(1, STREAMS_PER_CONNECTION)
+        }) as usize
+    }
+
+    /// The engine streams callers may take without competing: half of what
+    /// the connections take when their number is set (the other half is
+    /// for callers under their fair share), else [`OPEN_STREAMS`].
+    pub(crate) fn open_streams(&self) -> usize {
+        self.connections.map_or(OPEN_STREAMS, |n| {
+            (n * self.streams_per_connection() / 2).max(1)
+        })
+    }
+
+    /// The connections the pool may open: as set, or enough to carry twice
+    /// [`Self::open_streams`] at the engine's limit per connection.
+    fn max_connections(&self) -> usize {
+        self.connections
+            .unwrap_or_else(|| (2 * OPEN_STREAMS).div_ceil(self.streams_per_connection()))
+            .max(1)
+    }
 }
 
 /// One call's hold on a connection; released when dropped.
@@ -147,8 +194,8 @@ pub(crate) struct Lease {
     target: Arc<Target>,
     /// The call's place among the connection's streams, once it opens one.
     stream: Option<OwnedSemaphorePermit>,
-    /// Its place among its caller address's engine streams, held likewise.
-    _caller: Option<OwnedSemaphorePermit>,
+    /// Its engine stream among every caller's, held likewise.
+    _caller: Option<EngineStream>,
 }
 
 impl Lease {
@@ -353,23 +400,27 @@ async fn keep_alive(
 }
 
 impl EnginePool {
-    /// A pool of at most `max_connections` (at least one) connections to the
-    /// engine at `address`, each opened by the first call that needs it;
-    /// `limit` is the engine's stream limit, as its SETTINGS said.
+    /// A pool of connections to the engine at `address`, each opened by the
+    /// first call that needs it: `connections` of them at most, or (`None`)
+    /// as many as [`Sizing`] says; `limit` is the engine's stream limit, as
+    /// its SETTINGS said.
     pub(crate) fn new(
         address: &str,
         settings: ChannelSettings,
         limit: StreamLimit,
-        max_connections: usize,
+        connections: Option<usize>,
     ) -> Result<Self, http::uri::InvalidUri> {
         let pool = EnginePool {
             target: Arc::new(Target {
                 address: address.to_string(),
                 origin: address.parse()?,
                 settings,
-                limit,
+                limit: limit.clone(),
             }),
-            max_connections: max_connections.max(1),
+            sizing: Sizing {
+                limit,
+                connections: connections.map(|n| n.max(1)),
+            },
             connections: Mutex::new(Vec::new()),
         };
         pool.lock().push(Arc::new(Pooled::default()));
@@ -383,17 +434,18 @@ impl EnginePool {
     /// A connection for one more call: the least busy, or a new one when even
     /// that one is at the engine's limit and the pool may grow.
     ///
-    /// `caller` is the call's place among its address's engine streams,
-    /// taken before: the lease holds it until the call ends.
-    pub(crate) fn lease(&self, caller: Option<OwnedSemaphorePermit>) -> Lease {
+    /// `caller` is the call's engine stream, taken before: the lease holds
+    /// it until the call ends.
+    pub(crate) fn lease(&self, caller: Option<EngineStream>) -> Lease {
         let mut connections = self.lock();
         let least = connections
             .iter()
             .min_by_key(|c| c.open.load(Ordering::Acquire))
             .cloned();
-        let full = |c: &Pooled| c.open.load(Ordering::Acquire) >= self.streams_per_connection();
+        let per_connection = self.sizing.streams_per_connection();
+        let full = |c: &Pooled| c.open.load(Ordering::Acquire) as usize >= per_connection;
         let chosen = match least {
-            Some(c) if !full(&c) || connections.len() >= self.max_connections => c,
+            Some(c) if !full(&c) || connections.len() >= self.sizing.max_connections() => c,
             Some(_) | None => {
                 let fresh = Arc::new(Pooled::default());
                 connections.push(fresh.clone());
@@ -414,20 +466,14 @@ impl EnginePool {
         }
     }
 
-    /// The streams one connection carries: the engine's limit, and never
-    /// more than [`STREAMS_PER_CONNECTION`].
-    fn streams_per_connection(&self) -> u32 {
-        self.target
-            .limit
-            .get()
-            .map_or(STREAMS_PER_CONNECTION, |limit| {
-                limit.min(STREAMS_PER_CONNECTION)
-            })
+    /// The engine streams callers may take without competing.
+    pub(crate) fn open_streams(&self) -> usize {
+        self.sizing.open_streams()
     }
 
-    /// How many calls the engine takes at once through this pool.
-    pub(crate) fn capacity(&self) -> u64 {
-        u64::from(self.streams_per_connection()) * self.max_connections as u64
+    /// How the pool is sized, for what shares its streams.
+    pub(crate) fn sizing(&self) -> Sizing {
+        self.sizing.clone()
     }
 }
 

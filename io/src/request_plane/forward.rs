@@ -10,6 +10,7 @@
 //! the caller's stream as it came, once the caller has window for it.
 
 use std::future::{Future, poll_fn};
+use std::net::IpAddr;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -20,7 +21,6 @@ use bytes::{Bytes, BytesMut};
 use h2::server::SendResponse;
 use h2::{RecvStream, SendStream};
 use http_body::{Body as HttpBody, Frame};
-use tokio::sync::Semaphore;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tonic::Code;
 use tonic::body::Body;
@@ -191,7 +191,7 @@ pub(crate) fn call(
             request,
             respond,
             guard,
-            open.engine_streams().clone(),
+            open.address(),
         ))),
         _open: open,
     })
@@ -370,7 +370,7 @@ async fn answer(
     request: http::Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
     mut guard: InFlight,
-    caller_streams: Arc<Semaphore>,
+    address: IpAddr,
 ) -> Option<Relay> {
     let deadline = grpc_timeout(request.headers()).map(|d| tokio::time::Instant::now() + d);
     let mut ends = Endings {
@@ -380,7 +380,7 @@ async fn answer(
     let answered = engine_answer(
         &plane,
         &mut guard.lease,
-        &caller_streams,
+        address,
         request,
         &mut ends,
         &mut respond,
@@ -437,7 +437,7 @@ async fn answer(
 async fn engine_answer(
     plane: &Arc<Plane>,
     lease: &mut Option<Lease>,
-    caller_streams: &Arc<Semaphore>,
+    address: IpAddr,
     request: http::Request<RecvStream>,
     ends: &mut Endings,
     respond: &mut SendResponse<Bytes>,
@@ -469,11 +469,12 @@ async fn engine_answer(
         }
     }
     let opened = {
-        // A place among the engine streams of the caller's address first,
-        // then an engine connection: the least busy among the calls that
-        // have one, so a call waiting here counts on no connection.
+        // An engine stream first (at once, or in turn with other caller
+        // addresses when they run short), then an engine connection: the
+        // least busy among the calls that have one, so a call waiting here
+        // counts on no connection.
         let mut send = pin!(async {
-            let caller = caller_streams.clone().acquire_owned().await.ok();
+            let caller = plane.engine_streams.acquire(address).await;
             let lease = lease.insert(plane.engine.lease(caller));
             lease.send(request, end_of_stream).await
         });

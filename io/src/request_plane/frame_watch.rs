@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
+use std::net::IpAddr;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::Semaphore;
 
 use crate::h2_frames::{ENHANCE_YOUR_CALM, FrameHead, FrameReader, flag, goaway, kind};
 
@@ -36,15 +36,15 @@ pub(crate) struct Watched {
     idle_since_ms: AtomicU64,
     /// Streams of the sidecar's own health service open on the connection.
     own_health: AtomicUsize,
-    /// The engine streams the caller's address may hold, shared with its
-    /// other connections.
-    engine_streams: Arc<Semaphore>,
+    /// The caller's address, whose calls share the engine streams fairly
+    /// with other addresses' (`engine_streams`).
+    address: IpAddr,
 }
 
 impl Watched {
-    pub(crate) fn new(engine_streams: Arc<Semaphore>) -> Arc<Self> {
+    pub(crate) fn new(address: IpAddr) -> Arc<Self> {
         Arc::new(Watched {
-            engine_streams,
+            address,
             born: Instant::now(),
             handshake_done: AtomicBool::new(false),
             active: AtomicUsize::new(0),
@@ -78,9 +78,9 @@ impl Watched {
 pub(crate) struct OpenCall(Arc<Watched>);
 
 impl OpenCall {
-    /// The engine streams the call's caller address may hold.
-    pub(crate) fn engine_streams(&self) -> &Arc<Semaphore> {
-        &self.0.engine_streams
+    /// The call's caller address.
+    pub(crate) fn address(&self) -> IpAddr {
+        self.0.address
     }
 
     /// A place for this call among the connection's own-health streams, if

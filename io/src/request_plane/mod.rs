@@ -18,16 +18,17 @@
 //! handshake and idle timeouts, GOAWAY, lingering close), [`frame_watch`]
 //! (each caller's frames: handshake, open calls, flood budget), [`forward`]
 //! (routing, refusal, forwarding and the bodies), [`engine_pool`] (the engine
-//! connections), [`caller_streams`] (engine streams per caller address), [`framing`] (gRPC framing and `grpc-timeout`, pure),
+//! connections), [`engine_streams`] (engine streams shared fairly among
+//! caller addresses), [`framing`] (gRPC framing and `grpc-timeout`, pure),
 //! [`outcome`] (how each call ended, the counters), [`own_health`] (the
 //! sidecar's health service), [`unanswered_stream`] (an engine stream given up
 //! before its answer began, reset only once the engine has taken it).
 
 mod accept;
 mod admitted;
-mod caller_streams;
 mod calls;
 mod engine_pool;
+mod engine_streams;
 mod forward;
 mod frame_watch;
 mod framing;
@@ -35,6 +36,7 @@ mod outcome;
 mod own_health;
 mod unanswered_stream;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::time::Duration;
 
@@ -70,8 +72,9 @@ pub struct Limits {
     /// Control frames a caller connection may send per second beyond 10 per
     /// frame of real work (docs/CONTRACT.md, "Request plane").
     pub control_frame_budget: u32,
-    /// HTTP/2 connections to the engine at most.
-    pub engine_connections: u32,
+    /// HTTP/2 connections to the engine at most; `None`: as many as the
+    /// engine streams the sidecar may hold need (`EnginePool`).
+    pub engine_connections: Option<u32>,
 }
 
 impl Limits {
@@ -106,7 +109,7 @@ impl Limits {
             ("--max-concurrent-streams", self.max_concurrent_streams),
             ("--max-connections", self.max_connections),
             ("--control-frame-budget", self.control_frame_budget),
-            ("--engine-connections", self.engine_connections),
+            ("--engine-connections", self.engine_connections.unwrap_or(1)),
         ] {
             if value == 0 {
                 return refuse(flag, 0, "must be at least 1");
@@ -148,8 +151,8 @@ pub(crate) struct Plane {
     pub(crate) connections_open: AtomicUsize,
     /// Caller connections closed at once because `max_connections` were open.
     pub(crate) connections_refused: AtomicU64,
-    /// The engine streams each caller address may hold.
-    pub(crate) caller_streams: caller_streams::CallerStreams,
+    /// The engine streams the calls hold, shared among caller addresses.
+    pub(crate) engine_streams: Arc<engine_streams::EngineStreams>,
 }
 
 impl Plane {
@@ -170,6 +173,7 @@ impl Plane {
 
     /// A closed request plane in front of `engine` (the core opens it).
     pub(crate) fn new(engine: EnginePool, health: &OwnHealth, limits: Limits) -> Self {
+        let sizing = engine.sizing();
         Plane {
             gate: Gate::new(),
             serving: AtomicBool::new(false),
@@ -182,16 +186,16 @@ impl Plane {
             limits,
             connections_open: AtomicUsize::new(0),
             connections_refused: AtomicU64::new(0),
-            caller_streams: caller_streams::CallerStreams::default(),
+            engine_streams: engine_streams::EngineStreams::new(move || sizing.open_streams()),
         }
     }
 
     /// The concurrent calls one caller connection may have: the flag, and
-    /// never more than half of what the engine takes through the pool, so one
-    /// caller cannot hold every engine stream.
+    /// never more than the engine streams callers may take without
+    /// competing (a connection could not use more).
     pub(crate) fn stream_cap(&self) -> u32 {
         let flag = self.limits.max_concurrent_streams;
-        let half = (self.engine.capacity() / 2).max(1);
-        u32::try_from(half).map_or(flag, |half| flag.min(half))
+        let open = self.engine.open_streams().max(1);
+        u32::try_from(open).map_or(flag, |open| flag.min(open))
     }
 }
