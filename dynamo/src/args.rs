@@ -245,6 +245,9 @@ impl Args {
             // The worker's id is Dynamo's connection id, which a process
             // cannot change: after a loss it exits and is restarted.
             on_engine_loss: OnEngineLoss::Exit,
+            // No request plane of its own: Dynamo's requests come through
+            // Dynamo's transport, on the runtime of --worker-threads.
+            worker_threads: 1,
         };
         Ok(Settings {
             run,

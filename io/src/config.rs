@@ -162,6 +162,9 @@ pub struct RunConfig {
     pub etcd_tls: Option<EtcdTls>,
     /// After an engine loss is withdrawn and drained: exit 1, or rejoin.
     pub on_engine_loss: llm_sidecar_core::OnEngineLoss,
+    /// Threads the request plane runs callers' connections on: the
+    /// sidecar's own and `worker_threads - 1` more (`request_plane::Shards`).
+    pub worker_threads: usize,
 }
 
 #[cfg(test)]

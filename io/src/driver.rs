@@ -54,6 +54,9 @@ pub enum RunError {
         /// What is wrong.
         message: String,
     },
+    /// A request-plane thread could not be started.
+    #[error("cannot start a request-plane thread: {0}")]
+    Threads(std::io::Error),
     /// The discovery backend is not available.
     #[error("discovery {uri}: {message}")]
     Discovery {
@@ -259,8 +262,14 @@ impl Driver {
             s.instance_id = instance_hex.clone();
         });
         let connections = TaskTracker::new();
+        let shards = match listener {
+            Some(_) => Some(
+                request_plane::Shards::start(config.worker_threads).map_err(RunError::Threads)?,
+            ),
+            None => None,
+        };
         spawn_servers(
-            (admin_listener, listener),
+            (admin_listener, listener.zip(shards)),
             &config,
             &plane,
             &status,
@@ -646,11 +655,14 @@ fn engine_side(
     Ok((endpoint, stream_limit, pool))
 }
 
-/// Serves the admin port and (for the proxy) the request plane, each until
-/// `root` is cancelled; the request plane's connections are tracked by
-/// `connections`.
+/// Serves the admin port and (for the proxy) the request plane on its
+/// shards, each until `root` is cancelled; the request plane's connections
+/// are tracked by `connections`.
 fn spawn_servers(
-    (admin_listener, listener): (Option<TcpListener>, Option<TcpListener>),
+    (admin_listener, listener): (
+        Option<TcpListener>,
+        Option<(TcpListener, Arc<request_plane::Shards>)>,
+    ),
     config: &RunConfig,
     plane: &Arc<Plane>,
     status: &Shared,
@@ -663,13 +675,14 @@ fn spawn_servers(
             root.child_token(),
         ));
     }
-    if let Some(listener) = listener {
+    if let Some((listener, shards)) = listener {
         tokio::spawn(request_plane::serve(
             listener,
             config.tls.clone(),
             plane.clone(),
             root.child_token(),
             connections.clone(),
+            shards,
         ));
     }
 }

@@ -29,3 +29,4 @@ pub mod tls;
 pub use config::{RunConfig, Timings};
 pub use driver::{Front, RunError, Started, run, start};
 pub use parse::{ConfigError, parse_duration, parse_host_port, parse_key_segment};
+pub use request_plane::auto_worker_threads;

@@ -12,7 +12,7 @@ use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::tls::ServerTlsFiles;
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_host_port, parse_key_segment};
 
-use crate::runtime::{runtime, shutdown_signals};
+use crate::runtime::{EXIT_RUNTIME, runtime, shutdown_signals};
 use crate::shared::{EXIT_USAGE, EngineKindArg, EtcdTlsArgs, LogFormat, duration};
 
 /// Flags of `llm-sidecar run`.
@@ -141,13 +141,18 @@ pub struct RunArgs {
     pub lifecycle: LifecycleFlags,
     #[command(flatten)]
     pub etcd_tls: EtcdTlsArgs,
-    /// Threads of the async runtime. One is the default, on tokio's
-    /// current-thread scheduler: the sidecar's work is small beside the
-    /// engine's, and one thread had the least CPU per message and the lowest
-    /// added latency at 2,048 paced streams (docs/PERFORMANCE.md). Raise it
-    /// only for call rates far beyond what an engine produces.
-    #[arg(long, env = "SIDECAR_WORKER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub worker_threads: u16,
+    /// Threads the request plane runs callers' connections on (the driver's
+    /// own among them): a count, or `auto`, one per CPU the process may use
+    /// (its affinity and cgroup CPU quota), at most 4. Each thread serves its
+    /// connections and the engine connections their calls open alone, so a
+    /// token never crosses threads and an idle thread costs nothing; one
+    /// caller connection stays on one thread. One is the default: measured on
+    /// two cores shared with the engine, a second thread cut the added
+    /// first-token time of bursts but cost CPU per message and, at
+    /// saturation, the engine's share of the cores (docs/PERFORMANCE.md).
+    /// Give the sidecar CPUs of its own before raising it.
+    #[arg(long, env = "SIDECAR_WORKER_THREADS", default_value = "1", value_parser = worker_threads)]
+    pub worker_threads: WorkerThreads,
     /// Log format (stderr).
     #[arg(long, env = "SIDECAR_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -213,7 +218,31 @@ impl RunArgs {
                 OnEngineLossArg::Exit => OnEngineLoss::Exit,
                 OnEngineLossArg::Rejoin => OnEngineLoss::Rejoin,
             },
+            worker_threads: match self.worker_threads {
+                WorkerThreads::Auto => llm_sidecar_io::auto_worker_threads(),
+                WorkerThreads::Count(n) => usize::from(n),
+            },
         })
+    }
+}
+
+/// `--worker-threads`: a count, or one per CPU the process may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerThreads {
+    /// One per CPU the process may use, at most 4.
+    Auto,
+    /// This many.
+    Count(u16),
+}
+
+/// Parses `--worker-threads`: `auto`, or 1 to 1024.
+fn worker_threads(value: &str) -> Result<WorkerThreads, String> {
+    if value == "auto" {
+        return Ok(WorkerThreads::Auto);
+    }
+    match value.parse::<u16>() {
+        Ok(n @ 1..=1024) => Ok(WorkerThreads::Count(n)),
+        _ => Err(format!("`{value}` is not `auto` or a count from 1 to 1024")),
     }
 }
 
@@ -228,7 +257,6 @@ pub enum OnEngineLossArg {
 
 /// `llm-sidecar run`.
 pub fn run(args: RunArgs) -> i32 {
-    let worker_threads = args.worker_threads;
     let config = match args.into_config() {
         Ok(c) => c,
         Err(e) => {
@@ -236,9 +264,15 @@ pub fn run(args: RunArgs) -> i32 {
             return EXIT_USAGE;
         }
     };
-    runtime(Some(worker_threads)).block_on(async move {
+    // The driver's runtime, one thread; the request plane adds its own
+    // (`RunConfig::worker_threads`).
+    runtime(Some(1)).block_on(async move {
         match llm_sidecar_io::run(config, shutdown_signals()).await {
             Ok(code) => code.as_i32(),
+            Err(e @ llm_sidecar_io::RunError::Threads(_)) => {
+                tracing::error!("{e}");
+                EXIT_RUNTIME
+            }
             Err(e) => {
                 tracing::error!("{e}");
                 EXIT_USAGE

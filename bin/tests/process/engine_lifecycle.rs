@@ -285,6 +285,8 @@ fn malformed_flags_exit_2_before_contacting_anything() {
         &["--namespace", "a/b"],
         &["--listen", "not-an-address"],
         &["--engine-kind", "tgi"],
+        &["--worker-threads", "0"],
+        &["--worker-threads", "all"],
         &["--no-such-flag"],
     ];
     for (i, extra) in cases.iter().enumerate() {
@@ -483,8 +485,8 @@ fn a_runtime_that_cannot_start_exits_71_not_1() {
     let dir = TempDir::new("runtime");
     let out = std::process::Command::new("prlimit")
         .args(["--nproc=1", "setpriv", "--reuid=65534", "--regid=65534"])
-        // Two workers: the multi-thread runtime, which starts its threads at
-        // once. (One worker is the current-thread scheduler: no thread to refuse.)
+        // Two threads: the request plane's second, started before anything is
+        // contacted. (One is the current-thread scheduler: no thread to refuse.)
         .args([
             "--clear-groups",
             binary(),
@@ -504,7 +506,7 @@ fn a_runtime_that_cannot_start_exits_71_not_1() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(71), "exit code; stderr:\n{stderr}");
     assert!(
-        stderr.contains("cannot start the async runtime"),
+        stderr.contains("cannot start a request-plane thread"),
         "says why: {stderr}"
     );
     assert!(!stderr.contains("panicked"), "no panic output: {stderr}");

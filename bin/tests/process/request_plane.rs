@@ -714,3 +714,123 @@ fn a_stream_its_caller_stops_reading_holds_up_no_other_call() {
     sidecar.proc.signal("TERM");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }
+
+/// The names of a process's threads, from /proc.
+fn thread_names(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the sidecar's threads")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|name| name.trim().to_string())
+        .collect()
+}
+
+/// Two calls at once on two caller connections, through a sidecar with
+/// `threads` request-plane threads: both answered whole; returns how many
+/// engine connections they took and the sidecar's thread names.
+fn two_connections_at_once(threads: &str) -> (u64, Vec<String>) {
+    let dir = TempDir::new("threads");
+    let (mock, mut sidecar) = serving(
+        &dir.0,
+        &["--token-delay", "50ms"],
+        &["--worker-threads", threads],
+    );
+    let listen = sidecar.listen;
+    let before = mock.stats()["connections"].as_u64().expect("connections");
+    let outcomes = rt().block_on(async {
+        let (a, b) = tokio::join!(client(listen), client(listen));
+        tokio::join!(
+            run_generate(a, generate("on-one", 4, 20)),
+            run_generate(b, generate("on-another", 4, 20)),
+        )
+    });
+    for outcome in [outcomes.0, outcomes.1] {
+        assert_eq!(outcome.end, Ok(()), "answered");
+        assert_eq!(outcome.streamed.len(), 20, "every token");
+    }
+    let engine_connections = mock.stats()["connections"].as_u64().expect("connections") - before;
+    let names = thread_names(sidecar.proc.pid());
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    (engine_connections, names)
+}
+
+/// `--worker-threads 2`: a second request-plane thread, named so in `top -H`;
+/// the two callers' connections go one to each thread, and each thread opens
+/// an engine connection of its own, so a token is read and passed on by one
+/// thread. With one thread, both calls share one engine connection.
+#[test]
+fn each_request_plane_thread_serves_its_callers_on_its_own_engine_connection() {
+    let (connections, names) = two_connections_at_once("2");
+    assert!(
+        names.iter().any(|n| n == "request-plane-1"),
+        "a second thread: {names:?}"
+    );
+    assert_eq!(connections, 2, "an engine connection per thread");
+    let (connections, names) = two_connections_at_once("1");
+    assert!(
+        !names.iter().any(|n| n.starts_with("request-plane")),
+        "one thread: {names:?}"
+    );
+    assert_eq!(connections, 1, "one thread, one engine connection");
+}
+
+/// `--worker-threads auto`: one request-plane thread per CPU the process may
+/// use, at most four. Pinned to one CPU (`taskset`, as a cgroup's cpuset or
+/// an operator would), the sidecar runs on one thread; unpinned, on as many
+/// as the CPUs this test may use; with no flag, on one.
+#[test]
+fn request_plane_threads_follow_the_cpus_the_process_may_use() {
+    use std::os::unix::fs::PermissionsExt;
+    let request_plane_threads = |pid: u32| {
+        thread_names(pid)
+            .iter()
+            .filter(|n| n.starts_with("request-plane-"))
+            .count()
+    };
+    let dir = TempDir::new("threads-pinned");
+    let mock = Mock::start(&dir.0, free_addr(), &[]);
+    let pinned = dir.0.join("pinned.sh");
+    std::fs::write(
+        &pinned,
+        format!("#!/bin/sh\nexec taskset -c 0 {} \"$@\"\n", binary()),
+    )
+    .expect("write the wrapper");
+    std::fs::set_permissions(&pinned, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut sidecar = Sidecar::start_program(
+        pinned.to_str().expect("a UTF-8 path"),
+        &dir.0,
+        mock.grpc,
+        &["--worker-threads", "auto"],
+    );
+    sidecar.wait_serving();
+    assert_eq!(
+        request_plane_threads(sidecar.proc.pid()),
+        0,
+        "one CPU: the driver's thread alone"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let free = TempDir::new("threads-free");
+    let mut sidecar = Sidecar::start(&free.0, mock.grpc, &["--worker-threads", "auto"]);
+    sidecar.wait_serving();
+    assert_eq!(
+        request_plane_threads(sidecar.proc.pid()),
+        cpus.min(4) - 1,
+        "{cpus} CPUs: one thread each, at most four, the driver's among them"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+
+    let default = TempDir::new("threads-default");
+    let mut sidecar = Sidecar::start(&default.0, mock.grpc, &[]);
+    sidecar.wait_serving();
+    assert_eq!(
+        request_plane_threads(sidecar.proc.pid()),
+        0,
+        "no flag: one thread"
+    );
+    sidecar.proc.signal("TERM");
+    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+}

@@ -23,6 +23,7 @@ use std::sync::atomic::Ordering;
 use super::Plane;
 use super::calls::Calls;
 use super::frame_watch::{FrameWatch, Watched};
+use super::shards::Shards;
 use crate::exit_bounds::{CLOSE_LINGER, GOAWAY_FLUSH};
 use crate::tls::ServerTls;
 
@@ -39,14 +40,16 @@ const STREAM_WINDOW: u32 = 1 << 20;
 const CONNECTION_WINDOW: u32 = 4 << 20;
 
 /// Serves the request plane on `listener` until `cancel` fires, over TLS when
-/// `tls` is set. Every connection task is tracked by `connections`, so the
-/// driver can wait for their GOAWAYs at exit.
+/// `tls` is set. Each connection runs on the shard with the fewest open
+/// (`shards`), its task tracked by `connections`, so the driver can wait for
+/// their GOAWAYs at exit.
 pub(crate) async fn serve(
     listener: TcpListener,
     tls: Option<ServerTls>,
     plane: Arc<Plane>,
     cancel: CancellationToken,
     connections: TaskTracker,
+    shards: Arc<Shards>,
 ) {
     let mut refusing = false;
     loop {
@@ -80,36 +83,75 @@ pub(crate) async fn serve(
         };
         refusing = false;
         let _ = stream.set_nodelay(true);
-        let stream = LingeringClose::new(stream);
+        let shard = shards.pick();
         let plane = plane.clone();
         let cancel = cancel.clone();
         let tls = tls.clone();
-        connections.spawn(async move {
-            let _slot = slot;
-            let Some(tls) = tls else {
-                return serve_connection(stream, plane, cancel, peer.ip()).await;
-            };
-            let handshake =
-                tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream));
-            let stream = tokio::select! {
-                () = cancel.cancelled() => return,
-                handshake = handshake => match handshake {
-                    Ok(Ok(stream)) => stream,
-                    // A failed handshake (no or untrusted client certificate, not
-                    // TLS at all) ends this connection only; the caller's TLS stack
-                    // gets the alert.
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, "request plane: TLS handshake failed: {e}");
+        let Some(handle) = shard.handle().cloned() else {
+            let stream = LingeringClose::new(stream);
+            connections.spawn(async move {
+                let _slots = (slot, shard);
+                serve_accepted(stream, tls, plane, cancel, peer).await;
+            });
+            continue;
+        };
+        // To a shard of its own: the socket leaves this runtime's reactor
+        // for that shard's.
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(%peer, "request plane: cannot hand a connection to its thread: {e}");
+                continue;
+            }
+        };
+        connections.spawn_on(
+            async move {
+                let _slots = (slot, shard);
+                let stream = match tokio::net::TcpStream::from_std(stream) {
+                    Ok(stream) => LingeringClose::new(stream),
+                    Err(e) => {
+                        tracing::warn!(%peer, "request plane: a connection's thread cannot take it: {e}");
                         return;
                     }
-                    Err(_) => {
-                        tracing::debug!(%peer, "request plane: TLS handshake timed out");
-                        return;
-                    }
-                },
-            };
-            serve_connection(stream, plane, cancel, peer.ip()).await;
-        });
+                };
+                serve_accepted(stream, tls, plane, cancel, peer).await;
+            },
+            &handle,
+        );
+    }
+}
+
+/// One accepted connection, through its TLS handshake if `tls` is set.
+async fn serve_accepted(
+    stream: LingeringClose<tokio::net::TcpStream>,
+    tls: Option<ServerTls>,
+    plane: Arc<Plane>,
+    cancel: CancellationToken,
+    peer: std::net::SocketAddr,
+) {
+    {
+        let Some(tls) = tls else {
+            return serve_connection(stream, plane, cancel, peer.ip()).await;
+        };
+        let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream));
+        let stream = tokio::select! {
+            () = cancel.cancelled() => return,
+            handshake = handshake => match handshake {
+                Ok(Ok(stream)) => stream,
+                // A failed handshake (no or untrusted client certificate, not
+                // TLS at all) ends this connection only; the caller's TLS stack
+                // gets the alert.
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, "request plane: TLS handshake failed: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "request plane: TLS handshake timed out");
+                    return;
+                }
+            },
+        };
+        serve_connection(stream, plane, cancel, peer.ip()).await;
     }
 }
 

@@ -4,7 +4,10 @@
 //! need ([`Sizing`]; `--engine-connections` sets the number instead). Without
 //! that, one caller holding the engine's whole stream limit would make every
 //! other caller's call wait behind it in h2's queue. Each call goes to the
-//! connection with the fewest of the sidecar's calls on it.
+//! connection with the fewest of the sidecar's calls on it among those of its
+//! own request-plane thread ([`super::shards`]), so that a token is read and
+//! passed on by one thread; another thread's only when its own are full and
+//! the pool may not grow.
 //!
 //! Each connection is an `h2` client connection of its own, driven by one
 //! task, with no HTTP layer above it: a call opens its engine stream from its
@@ -17,7 +20,7 @@
 //! call that leases it.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -103,16 +106,21 @@ struct Pooled {
     /// [`STREAMS_PER_CONNECTION`] permits, one held by each call whose
     /// engine stream is open on this connection.
     streams: Arc<Semaphore>,
+    /// The request-plane shard whose thread drives the connection (the one
+    /// that opened it last): its calls lease it first.
+    home: AtomicUsize,
 }
 
-impl Default for Pooled {
-    fn default() -> Self {
+impl Pooled {
+    /// A connection not opened yet, for the calls of shard `home`.
+    fn new(home: usize) -> Self {
         Pooled {
             sender: Mutex::default(),
             opening: Mutex::default(),
             opened: tokio::sync::Notify::new(),
             open: AtomicU32::new(0),
             streams: Arc::new(Semaphore::new(STREAMS_PER_CONNECTION as usize)),
+            home: AtomicUsize::new(home),
         }
     }
 }
@@ -266,6 +274,10 @@ impl Lease {
                             continue;
                         }
                         *opening = Opening::Underway;
+                        // Spawned here, so driven by this call's shard.
+                        self.pooled
+                            .home
+                            .store(super::shards::current(), Ordering::Release);
                         tokio::spawn(open_pooled(self.pooled.clone(), self.target.clone()));
                     }
                 }
@@ -423,7 +435,7 @@ impl EnginePool {
             },
             connections: Mutex::new(Vec::new()),
         };
-        pool.lock().push(Arc::new(Pooled::default()));
+        pool.lock().push(Arc::new(Pooled::new(0)));
         Ok(pool)
     }
 
@@ -431,29 +443,38 @@ impl EnginePool {
         self.connections.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A connection for one more call: the least busy, or a new one when even
-    /// that one is at the engine's limit and the pool may grow.
+    /// A connection for one more call: the least busy of the call's own
+    /// shard's; else a new one for that shard while the pool may grow; else
+    /// the least busy of any shard's (its thread drives it).
     ///
     /// `caller` is the call's engine stream, taken before: the lease holds
     /// it until the call ends.
     pub(crate) fn lease(&self, caller: Option<EngineStream>) -> Lease {
+        let here = super::shards::current();
         let mut connections = self.lock();
-        let least = connections
-            .iter()
-            .min_by_key(|c| c.open.load(Ordering::Acquire))
-            .cloned();
         let per_connection = self.sizing.streams_per_connection();
+        let busy = |c: &Arc<Pooled>| c.open.load(Ordering::Acquire);
         let full = |c: &Pooled| c.open.load(Ordering::Acquire) as usize >= per_connection;
-        let chosen = match least {
-            Some(c) if !full(&c) || connections.len() >= self.sizing.max_connections() => c,
-            Some(_) | None => {
-                let fresh = Arc::new(Pooled::default());
+        let own = connections
+            .iter()
+            .filter(|c| c.home.load(Ordering::Acquire) == here)
+            .min_by_key(|c| busy(c))
+            .cloned();
+        let least = connections.iter().min_by_key(|c| busy(c)).cloned();
+        let grow = connections.len() < self.sizing.max_connections();
+        let chosen = match (own, least) {
+            (Some(c), _) if !full(&c) => c,
+            (_, Some(c)) if !grow => c,
+            (own, _) => {
+                let fresh = Arc::new(Pooled::new(here));
                 connections.push(fresh.clone());
-                tracing::info!(
-                    connections = connections.len(),
-                    "request plane: every engine connection is at the engine's stream limit; \
-                     opened another"
-                );
+                if own.is_some() {
+                    tracing::info!(
+                        connections = connections.len(),
+                        "request plane: every engine connection of a thread is at the engine's \
+                         stream limit; opened another"
+                    );
+                }
                 fresh
             }
         };

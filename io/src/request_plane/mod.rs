@@ -21,7 +21,7 @@
 //! connections), [`engine_streams`] (engine streams shared fairly among
 //! caller addresses), [`framing`] (gRPC framing and `grpc-timeout`, pure),
 //! [`outcome`] (how each call ended, the counters), [`own_health`] (the
-//! sidecar's health service), [`unanswered_stream`] (an engine stream given up
+//! sidecar's health service), [`shards`] (the threads connections run on), [`unanswered_stream`] (an engine stream given up
 //! before its answer began, reset only once the engine has taken it).
 
 mod accept;
@@ -34,6 +34,7 @@ mod frame_watch;
 mod framing;
 mod outcome;
 mod own_health;
+mod shards;
 mod unanswered_stream;
 
 use std::sync::Arc;
@@ -51,6 +52,8 @@ pub(crate) use engine_pool::EnginePool;
 pub(crate) use outcome::CallCounters;
 pub use outcome::CallOutcome;
 pub(crate) use own_health::OwnHealth;
+pub(crate) use shards::Shards;
+pub use shards::auto_worker_threads;
 
 /// Limits on what a caller may send.
 #[derive(Debug, Clone, Copy)]
