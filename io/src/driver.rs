@@ -262,12 +262,11 @@ impl Driver {
             s.instance_id = instance_hex.clone();
         });
         let connections = TaskTracker::new();
-        let shards = match listener {
-            Some(_) => Some(
-                request_plane::Shards::start(config.worker_threads).map_err(RunError::Threads)?,
-            ),
-            None => None,
-        };
+        let shards = listener
+            .as_ref()
+            .map(|_| request_plane::Shards::start(config.worker_threads))
+            .transpose()
+            .map_err(RunError::Threads)?;
         spawn_servers(
             (admin_listener, listener.zip(shards)),
             &config,

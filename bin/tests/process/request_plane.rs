@@ -781,11 +781,17 @@ fn each_request_plane_thread_serves_its_callers_on_its_own_engine_connection() {
 #[test]
 fn request_plane_threads_follow_the_cpus_the_process_may_use() {
     use std::os::unix::fs::PermissionsExt;
-    let request_plane_threads = |pid: u32| {
-        thread_names(pid)
+    // Starts the sidecar, counts its request-plane threads once it serves,
+    // and stops it.
+    let threads_of = |mut sidecar: Sidecar| {
+        sidecar.wait_serving();
+        let threads = thread_names(sidecar.proc.pid())
             .iter()
             .filter(|n| n.starts_with("request-plane-"))
-            .count()
+            .count();
+        sidecar.proc.signal("TERM");
+        assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+        threads
     };
     let dir = TempDir::new("threads-pinned");
     let mock = Mock::start(&dir.0, free_addr(), &[]);
@@ -796,41 +802,30 @@ fn request_plane_threads_follow_the_cpus_the_process_may_use() {
     )
     .expect("write the wrapper");
     std::fs::set_permissions(&pinned, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let mut sidecar = Sidecar::start_program(
+    let pinned = Sidecar::start_program(
         pinned.to_str().expect("a UTF-8 path"),
         &dir.0,
         mock.grpc,
         &["--worker-threads", "auto"],
     );
-    sidecar.wait_serving();
-    assert_eq!(
-        request_plane_threads(sidecar.proc.pid()),
-        0,
-        "one CPU: the driver's thread alone"
-    );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    assert_eq!(threads_of(pinned), 0, "one CPU: the driver's thread alone");
 
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let free = TempDir::new("threads-free");
-    let mut sidecar = Sidecar::start(&free.0, mock.grpc, &["--worker-threads", "auto"]);
-    sidecar.wait_serving();
     assert_eq!(
-        request_plane_threads(sidecar.proc.pid()),
+        threads_of(Sidecar::start(
+            &free.0,
+            mock.grpc,
+            &["--worker-threads", "auto"]
+        )),
         cpus.min(4) - 1,
         "{cpus} CPUs: one thread each, at most four, the driver's among them"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 
     let default = TempDir::new("threads-default");
-    let mut sidecar = Sidecar::start(&default.0, mock.grpc, &[]);
-    sidecar.wait_serving();
     assert_eq!(
-        request_plane_threads(sidecar.proc.pid()),
+        threads_of(Sidecar::start(&default.0, mock.grpc, &[])),
         0,
         "no flag: one thread"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
 }

@@ -87,16 +87,8 @@ pub(crate) async fn serve(
         let plane = plane.clone();
         let cancel = cancel.clone();
         let tls = tls.clone();
-        let Some(handle) = shard.handle().cloned() else {
-            let stream = LingeringClose::new(stream);
-            connections.spawn(async move {
-                let _slots = (slot, shard);
-                serve_accepted(stream, tls, plane, cancel, peer).await;
-            });
-            continue;
-        };
-        // To a shard of its own: the socket leaves this runtime's reactor
-        // for that shard's.
+        // The socket leaves this runtime's reactor for its shard's (the same
+        // one for shard 0: a re-registration, once per connection).
         let stream = match stream.into_std() {
             Ok(stream) => stream,
             Err(e) => {
@@ -104,6 +96,7 @@ pub(crate) async fn serve(
                 continue;
             }
         };
+        let handle = shard.handle().clone();
         connections.spawn_on(
             async move {
                 let _slots = (slot, shard);
@@ -129,30 +122,28 @@ async fn serve_accepted(
     cancel: CancellationToken,
     peer: std::net::SocketAddr,
 ) {
-    {
-        let Some(tls) = tls else {
-            return serve_connection(stream, plane, cancel, peer.ip()).await;
-        };
-        let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream));
-        let stream = tokio::select! {
-            () = cancel.cancelled() => return,
-            handshake = handshake => match handshake {
-                Ok(Ok(stream)) => stream,
-                // A failed handshake (no or untrusted client certificate, not
-                // TLS at all) ends this connection only; the caller's TLS stack
-                // gets the alert.
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, "request plane: TLS handshake failed: {e}");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "request plane: TLS handshake timed out");
-                    return;
-                }
-            },
-        };
-        serve_connection(stream, plane, cancel, peer.ip()).await;
-    }
+    let Some(tls) = tls else {
+        return serve_connection(stream, plane, cancel, peer.ip()).await;
+    };
+    let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream));
+    let stream = tokio::select! {
+        () = cancel.cancelled() => return,
+        handshake = handshake => match handshake {
+            Ok(Ok(stream)) => stream,
+            // A failed handshake (no or untrusted client certificate, not
+            // TLS at all) ends this connection only; the caller's TLS stack
+            // gets the alert.
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, "request plane: TLS handshake failed: {e}");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "request plane: TLS handshake timed out");
+                return;
+            }
+        },
+    };
+    serve_connection(stream, plane, cancel, peer.ip()).await;
 }
 
 /// One of `--max-connections`, held for as long as its connection lives.

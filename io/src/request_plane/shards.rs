@@ -142,9 +142,9 @@ pub(crate) struct ShardSlot {
 }
 
 impl ShardSlot {
-    /// The shard's runtime; `None` for shard 0, the runtime accepting.
-    pub(crate) fn handle(&self) -> Option<&Handle> {
-        (self.shard > 0).then(|| &self.shards.handles[self.shard])
+    /// The shard's runtime (shard 0's is the runtime accepting).
+    pub(crate) fn handle(&self) -> &Handle {
+        &self.shards.handles[self.shard]
     }
 }
 
@@ -171,14 +171,10 @@ mod tests {
             d.shard, 1,
             "the shard a connection left is the least loaded"
         );
-        let on = d
-            .handle()
-            .expect("shard 1 has a thread")
-            .spawn(async { current() })
-            .await
-            .expect("ran");
+        let on = d.handle().spawn(async { current() }).await.expect("ran");
         assert_eq!(on, 1, "a task spawned on shard 1 sees itself there");
-        assert!(a.handle().is_none(), "shard 0 is the accepting runtime");
+        let on = a.handle().spawn(async { current() }).await.expect("ran");
+        assert_eq!(on, 0, "shard 0 is the accepting runtime");
         assert_eq!(current(), 0);
     }
 
