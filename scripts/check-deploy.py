@@ -17,7 +17,15 @@ deploy/kubernetes/overlays/<kind>`, one file per kind) and the systemd unit:
   the kind follows, at or above the version that has it, and the engine's
   command uses only flags this table knows for that program.
 
+The Dynamo worker (`kubectl kustomize deploy/kubernetes/dynamo`, checked with
+--dynamo): its flags exist (`llm-sidecar-dynamo --help`), the stop budget fits
+the same way, the Role grants exactly what Dynamo's kubernetes discovery calls,
+the pod's identity comes from the downward API, readiness is Dynamo's /health
+on DYN_SYSTEM_PORT, and the Service carries the discovery labels and no
+publishNotReadyAddresses.
+
 usage: check-deploy.py <llm-sidecar binary> <rendered>.yaml ...   (exit 1 on any finding)
+       check-deploy.py --dynamo <llm-sidecar-dynamo binary> <rendered>.yaml
        check-deploy.py --self-test <llm-sidecar binary> <rendered>.yaml ...
          (each way a manifest can go wrong, made on purpose: every one must be found)
 """
@@ -440,8 +448,79 @@ def self_test(known, defaults, rendered):
     return missed
 
 
+# What Dynamo 1.6.1's kubernetes discovery calls (docs/DYNAMO.md), as Role rules.
+DYNAMO_RULES = {
+    ("nvidia.com", "dynamoworkermetadatas"): {"create", "get", "list", "watch", "update", "patch",
+                                              "delete"},
+    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "endpoints"): {"get", "list", "watch"},
+}
+
+
+def check_dynamo(binary, path):
+    """The Dynamo worker's rendered manifest (see the module's docstring)."""
+    text = subprocess.run([binary, "--help"], check=True, capture_output=True, text=True).stdout
+    known = set(re.findall(r"^\s+(?:-[a-zA-Z], )?(--[a-z0-9-]+)", text, re.M))
+    docs = [d for d in yaml.safe_load_all(pathlib.Path(path).read_text()) if d]
+    by_kind = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    where = f"{path}"
+    rules = {}
+    for role in by_kind.get("Role", []):
+        for r in role["rules"]:
+            for g in r["apiGroups"]:
+                for res in r["resources"]:
+                    rules.setdefault((g, res), set()).update(r["verbs"])
+    if rules != DYNAMO_RULES:
+        findings.append(f"{where}: Role grants {rules}, Dynamo's kubernetes discovery needs {DYNAMO_RULES}")
+    for svc in by_kind.get("Service", []):
+        labels = svc["metadata"].get("labels", {})
+        if labels.get("nvidia.com/dynamo-discovery-backend") != "kubernetes" or \
+                labels.get("nvidia.com/dynamo-discovery-enabled") != "true":
+            findings.append(f"{where}: Service {svc['metadata']['name']} lacks the discovery labels")
+        if svc["spec"].get("publishNotReadyAddresses"):
+            findings.append(f"{where}: Service {svc['metadata']['name']} publishes not-ready addresses")
+    for dep in by_kind.get("Deployment", []):
+        pod = dep["spec"]["template"]["spec"]
+        main = next((c for c in pod["containers"] if "--grpc-endpoint" in " ".join(c.get("args", []))), None)
+        if main is None:
+            findings.append(f"{where}: no container runs llm-sidecar-dynamo (--grpc-endpoint)")
+            continue
+        args = parse_args(main.get("args", []))
+        for flag in args:
+            if flag not in known:
+                findings.append(f"{where}: {flag} is not a flag of llm-sidecar-dynamo")
+        env = {e["name"]: e for e in main.get("env", [])}
+        if env.get("DYN_DISCOVERY_BACKEND", {}).get("value") != "kubernetes":
+            findings.append(f"{where}: DYN_DISCOVERY_BACKEND is not kubernetes")
+        for var, field in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"),
+                           ("POD_NAMESPACE", "metadata.namespace")):
+            got = env.get(var, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if got != field:
+                findings.append(f"{where}: {var} must come from the downward API ({field}), not {got}")
+        port = env.get("DYN_SYSTEM_PORT", {}).get("value")
+        ports = {p["name"]: str(p["containerPort"]) for p in main.get("ports", [])}
+        probe = main.get("readinessProbe", {}).get("httpGet", {})
+        if probe.get("path") != "/health" or ports.get(probe.get("port"), str(probe.get("port"))) != port:
+            findings.append(f"{where}: readiness must be Dynamo's /health on DYN_SYSTEM_PORT ({port})")
+        if pod.get("serviceAccountName") not in {r["metadata"]["name"] for r in by_kind.get("ServiceAccount", [])}:
+            findings.append(f"{where}: the pod runs under no ServiceAccount of this manifest")
+        budget = seconds(args.get("--router-grace", "5s")) + seconds(args.get("--drain-timeout", "30s")) \
+            + exit_bound() + ENGINE_STOP_GRACE + MARGIN
+        if pod.get("terminationGracePeriodSeconds", 30) < budget:
+            findings.append(f"{where}: terminationGracePeriodSeconds below the stop budget {budget}s")
+    for f in findings:
+        print(f"check-deploy: {f}", file=sys.stderr)
+    print(f"check-deploy --dynamo: {path}: {'ok' if not findings else f'{len(findings)} finding(s)'}")
+    sys.exit(1 if findings else 0)
+
+
 def main():
     args = sys.argv[1:]
+    if args[:1] == ["--dynamo"]:
+        check_dynamo(args[1], args[2])
     testing = args[:1] == ["--self-test"]
     if testing:
         args = args[1:]

@@ -113,6 +113,13 @@ rm -f "$rendered/kustomize.err"
 python3 -m kubernetes_validate --strict --quiet -k 1.33.0 "$rendered"/*.yaml
 python3 scripts/check-deploy.py target/debug/llm-sidecar "$rendered"/*.yaml
 python3 scripts/check-deploy.py --self-test target/debug/llm-sidecar "$rendered"/*.yaml
+if [ "$dynamo" = 1 ]; then
+  # The Dynamo worker as Dynamo's operator lays it out (kubernetes discovery).
+  mkdir -p "$rendered/dynamo"
+  kubectl kustomize deploy/kubernetes/dynamo > "$rendered/dynamo/dynamo.yaml"
+  python3 -m kubernetes_validate --strict --quiet -k 1.33.0 "$rendered/dynamo/dynamo.yaml"
+  python3 scripts/check-deploy.py --dynamo target/debug/llm-sidecar-dynamo "$rendered/dynamo/dynamo.yaml"
+fi
 unit_dir=$(mktemp -d)
 sed "s|/usr/local/bin/llm-sidecar|$PWD/target/debug/llm-sidecar|" deploy/systemd/llm-sidecar.service \
   > "$unit_dir/llm-sidecar.service"

@@ -17,6 +17,8 @@ use llm_sidecar_io::engine::{EngineChoice, EngineKind};
 use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_host_port};
 
+use crate::kube::PodIdentity;
+
 /// llm-sidecar as a Dynamo worker: registers the worker and its model card in
 /// Dynamo's discovery, serves Dynamo's request plane, turns each request into
 /// an OpenEngine Generate, and follows the engine (liveness Watch, stale
@@ -110,6 +112,8 @@ pub struct Settings {
     pub worker_threads: u16,
     /// JSON log lines.
     pub json_logs: bool,
+    /// The pod, in the `kubernetes` discovery backend.
+    pub kube: Option<PodIdentity>,
 }
 
 /// `host:port`, also written as `http://host:port` or `grpc://host:port` as
@@ -132,8 +136,15 @@ fn unsupported(flag: &'static str, value: &str, message: &str) -> ConfigError {
 
 /// Where Dynamo's discovery lives, for log lines and `/state`: the file
 /// store's directory (`DYN_FILE_KV`, else Dynamo's default under the temp
-/// directory), or etcd's endpoints (`ETCD_ENDPOINTS`, else Dynamo's default).
-fn discovery_location(backend: &str) -> DiscoveryUri {
+/// directory), etcd's endpoints (`ETCD_ENDPOINTS`, else Dynamo's default), or
+/// the pod's object.
+fn discovery_location(backend: &str, kube: Option<&PodIdentity>) -> DiscoveryUri {
+    if let Some(pod) = kube {
+        return DiscoveryUri::Kubernetes {
+            namespace: pod.namespace.clone(),
+            object: pod.object.clone(),
+        };
+    }
     match backend {
         "file" => DiscoveryUri::File(std::env::var_os("DYN_FILE_KV").map_or_else(
             || std::env::temp_dir().join("dynamo_store_kv"),
@@ -181,13 +192,19 @@ impl Args {
             ));
         }
         let backend = c.runtime.discovery_backend.as_deref().unwrap_or("etcd");
-        if !matches!(backend, "file" | "etcd") {
+        if !matches!(backend, "file" | "etcd" | "kubernetes") {
             return Err(unsupported(
                 "--discovery-backend",
                 backend,
-                "llm-sidecar-dynamo registers in file or etcd discovery",
+                "llm-sidecar-dynamo registers in file, etcd or kubernetes discovery",
             ));
         }
+        // The pod's identity, read as Dynamo reads it when its runtime starts;
+        // checked here, so a missing one exits 2 before anything is contacted.
+        let kube = (backend == "kubernetes")
+            .then(PodIdentity::from_env)
+            .transpose()
+            .map_err(|e| unsupported("--discovery-backend", "kubernetes", &e.to_string()))?;
         // Dynamo reads these itself; a value it would refuse later is refused
         // now: the flags, and its runtime's DYN_SYSTEM_* / DYN_RUNTIME_*
         // variables (DYN_SYSTEM_PORT is an i16 in Dynamo 1.6.1, so 40000 is
@@ -224,7 +241,7 @@ impl Args {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: "dynamo request plane".into(),
             admin_listen: self.admin_listen,
-            discovery: discovery_location(backend),
+            discovery: discovery_location(backend, kube.as_ref()),
             namespace: c.namespace.clone(),
             component: c.component.clone(),
             endpoint: c.endpoint.clone(),
@@ -257,6 +274,7 @@ impl Args {
             default_thinking_mode: self.default_thinking_mode,
             worker_threads: self.worker_threads,
             json_logs: self.log_format == "json",
+            kube,
         })
     }
 }

@@ -14,6 +14,7 @@
 mod answer;
 mod args;
 mod bridge;
+mod kube;
 mod kv_events;
 mod load;
 mod own_channels;
@@ -30,7 +31,8 @@ use llm_sidecar_io::process::{Throttle, init_logging_throttled, runtime, shutdow
 use llm_sidecar_io::{Front, engine};
 
 use crate::args::{Args, Settings};
-use crate::registry::DynamoRegistry;
+use crate::kube::{Mode, OwnObject};
+use crate::registry::{DynamoRegistry, ReadBack};
 
 /// Malformed flags or settings: nothing was contacted.
 const EXIT_USAGE: i32 = 2;
@@ -117,11 +119,20 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
             return EXIT_USAGE;
         }
     };
-    let Some(drt) = connect_dynamo(&settings).await else {
+    let deadline = tokio::time::Instant::now() + timings.startup_deadline;
+    let read_back = match &settings.kube {
+        None => ReadBack::Listing,
+        Some(pod) => match connect_kube(pod.clone(), &settings, deadline).await {
+            Some(object) => ReadBack::OwnObject(Box::new(object)),
+            None => return EXIT_STARTUP,
+        },
+    };
+    let Some(drt) = connect_dynamo(&settings, deadline).await else {
         return EXIT_STARTUP;
     };
     let registry = Arc::new(DynamoRegistry::new(
         drt.clone(),
+        read_back,
         worker_config(&settings),
         settings.context_length,
         channels,
@@ -159,12 +170,61 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
     code.as_i32()
 }
 
+/// The Kubernetes API server, before Dynamo's runtime uses it: answers, lets
+/// this pod's ServiceAccount list `DynamoWorkerMetadata` objects, knows the
+/// CRD; in container mode, an earlier incarnation's object removed (Dynamo's
+/// runtime panics if that fails). Retried every retry interval with a line
+/// that says what is wrong, until the start-up deadline; `None` past it.
+async fn connect_kube(
+    pod: kube::PodIdentity,
+    settings: &Settings,
+    deadline: tokio::time::Instant,
+) -> Option<OwnObject> {
+    let timings = &settings.run.timings;
+    let object = match OwnObject::new(pod).await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!("Dynamo's kubernetes discovery: {e}");
+            return None;
+        }
+    };
+    loop {
+        let attempt = tokio::time::timeout(timings.connect_attempt_timeout, async {
+            object.check().await?;
+            if object.identity().mode == Mode::Container {
+                object.remove_stale().await?;
+            }
+            Ok::<_, kube::ApiError>(())
+        })
+        .await;
+        let why = match attempt {
+            Ok(Ok(())) => return Some(object),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no answer within the connect-attempt timeout".to_string(),
+        };
+        if tokio::time::Instant::now() + timings.retry_interval >= deadline {
+            tracing::error!(
+                "start-up deadline passed: Dynamo's kubernetes discovery ({}): {why}",
+                settings.run.discovery
+            );
+            return None;
+        }
+        tracing::warn!(
+            "Dynamo's kubernetes discovery ({}) is not usable yet, retrying: {why}",
+            settings.run.discovery
+        );
+        tokio::time::sleep(timings.retry_interval).await;
+    }
+}
+
 /// Dynamo's runtime on this process's tokio runtime, connected to its
 /// discovery; retried every retry interval until the start-up deadline (an
 /// etcd that is not up yet), `None` past it.
-async fn connect_dynamo(settings: &Settings) -> Option<DistributedRuntime> {
+async fn connect_dynamo(
+    settings: &Settings,
+    deadline: tokio::time::Instant,
+) -> Option<DistributedRuntime> {
     let timings = &settings.run.timings;
-    let deadline = tokio::time::Instant::now() + timings.startup_deadline;
     let runtime = match Runtime::from_current() {
         Ok(r) => r,
         Err(e) => {

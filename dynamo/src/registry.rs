@@ -4,9 +4,12 @@
 //! [`Bridge`]); the core's `Withdraw` cancels that worker's shutdown token and
 //! removes every record of this worker at once. Each write is confirmed by
 //! reading Dynamo's discovery back, so the core's book of discovery writes
-//! stays true. Dynamo's system port (`DYN_SYSTEM_PORT`) follows along by
-//! itself: its `/health` is ready once Dynamo's worker serves its endpoint, and
-//! not from that worker's shutdown on, which the withdrawal starts.
+//! stays true: by listing (file, etcd), or in the `kubernetes` backend by
+//! reading this worker's own object, since a list there shows only Ready
+//! pods (see [`crate::kube`]). Dynamo's system port (`DYN_SYSTEM_PORT`): its
+//! `/health` is ready once Dynamo's worker serves its endpoint, and 503 from
+//! the instant the withdrawal starts (a readiness hold this registry takes),
+//! so a pod's readiness probe takes the worker out as a second line.
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -14,7 +17,8 @@ use std::time::Duration;
 use dynamo_backend_common::{Worker, WorkerConfig};
 use dynamo_runtime::DistributedRuntime;
 use dynamo_runtime::discovery::{
-    DiscoveryInstance, DiscoveryQuery, EventChannelQuery, EventSourceQuery, EventTransport,
+    DiscoveryInstance, DiscoveryMetadata, DiscoveryQuery, EventChannelQuery, EventSourceQuery,
+    EventTransport,
 };
 use llm_sidecar_io::discovery::{Discovery, DiscoveryError, ListedRecord, Record};
 use llm_sidecar_io::request_plane::HostedCalls;
@@ -24,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 use crate::bridge::{Bridge, Served};
+use crate::kube::OwnObject;
 use crate::load::{self, Capacity};
 use crate::own_channels;
 
@@ -32,6 +37,16 @@ const SETTLE_POLL: Duration = Duration::from_millis(20);
 
 /// How often a registered worker's records are looked for.
 const WATCH_POLL: Duration = Duration::from_secs(1);
+
+/// As [`WATCH_POLL`], in the `kubernetes` backend: each look is a GET on the
+/// API server, which every worker of a cluster shares, and nothing but this
+/// worker or its pod's deletion removes the object there.
+const WATCH_POLL_KUBE: Duration = Duration::from_secs(10);
+
+/// The readiness hold this registry takes on Dynamo's system health from
+/// the withdrawal on: `/health` answers 503 while any hold is outstanding,
+/// whichever of Dynamo's health layers the operator's variables select.
+const WITHDRAWN: &str = "llm-sidecar: withdrawn from discovery";
 
 /// Records that could not be read back for this long count as gone: Dynamo's
 /// file store expires a record its owner has not touched for 10 s, and an
@@ -44,10 +59,72 @@ const UNREADABLE_FOR: Duration = Duration::from_secs(10);
 /// more is taken to report nonsense.
 pub const MAX_CONTEXT_LENGTH: u32 = 1 << 26;
 
+/// Where this worker's records are read back from.
+#[derive(Clone)]
+pub enum ReadBack {
+    /// Dynamo's discovery lists them (file, etcd): every record is listed.
+    Listing,
+    /// The worker's own `DynamoWorkerMetadata` object (kubernetes).
+    OwnObject(Box<OwnObject>),
+}
+
+impl ReadBack {
+    /// How often the watch looks.
+    fn poll(&self) -> Duration {
+        match self {
+            ReadBack::Listing => WATCH_POLL,
+            ReadBack::OwnObject(_) => WATCH_POLL_KUBE,
+        }
+    }
+
+    /// Whether records that cannot be read for [`UNREADABLE_FOR`] are gone:
+    /// listed records expire with their lease or TTL; an object does not.
+    fn expires(&self) -> bool {
+        matches!(self, ReadBack::Listing)
+    }
+}
+
+/// One reading of discovery, for the queries of one look.
+enum Reading {
+    Listing(Arc<dyn dynamo_runtime::discovery::Discovery>),
+    Object(DiscoveryMetadata),
+}
+
+impl Reading {
+    async fn take(drt: &DistributedRuntime, read_back: &ReadBack) -> Result<Self, DiscoveryError> {
+        match read_back {
+            ReadBack::Listing => Ok(Reading::Listing(drt.discovery())),
+            ReadBack::OwnObject(object) => {
+                let records = object.records().await.map_err(|e| DiscoveryError::Io {
+                    path: format!(
+                        "DynamoWorkerMetadata {}/{}",
+                        object.identity().namespace,
+                        object.identity().object
+                    ),
+                    source: std::io::Error::other(e),
+                })?;
+                Ok(Reading::Object(records.unwrap_or_default()))
+            }
+        }
+    }
+
+    async fn list(&self, query: DiscoveryQuery) -> Result<Vec<DiscoveryInstance>, DiscoveryError> {
+        match self {
+            Reading::Listing(discovery) => {
+                discovery.list(query).await.map_err(|e| DiscoveryError::Io {
+                    path: "Dynamo discovery".into(),
+                    source: std::io::Error::other(format!("{e:#}")),
+                })
+            }
+            Reading::Object(records) => Ok(records.filter(&query)),
+        }
+    }
+}
+
 /// This worker's records in Dynamo's discovery.
 struct Ours {
-    /// The instance record (`v1/instances/...`).
-    instance: bool,
+    /// The instance records (`v1/instances/...`).
+    instances: Vec<DiscoveryInstance>,
     /// Model cards (`v1/mdc/...`), the other endpoints of this instance (the
     /// KV publisher's query endpoint), and (when asked for) the KV event
     /// sources naming this worker (`v1/event_sources/...`) and the event
@@ -67,7 +144,7 @@ impl Ours {
 
     /// Registered: the instance record and a model card are both there.
     fn registered(&self) -> bool {
-        self.instance && self.card()
+        !self.instances.is_empty() && self.card()
     }
 }
 
@@ -86,6 +163,8 @@ struct Running {
 /// Dynamo's discovery, written through Dynamo's `Worker`.
 pub struct DynamoRegistry {
     drt: DistributedRuntime,
+    /// Where the records are read back from.
+    read_back: ReadBack,
     /// Everything of the worker's settings but what the engine reports.
     worker: WorkerConfig,
     /// The context length of `--context-length`, if given.
@@ -100,12 +179,14 @@ impl DynamoRegistry {
     /// A registry on `drt` for a worker configured as `worker`.
     pub fn new(
         drt: DistributedRuntime,
+        read_back: ReadBack,
         worker: WorkerConfig,
         context_length: Option<u32>,
         channels: Vec<Channel>,
     ) -> Self {
         DynamoRegistry {
             drt,
+            read_back,
             worker,
             context_length,
             channels,
@@ -130,7 +211,26 @@ impl DynamoRegistry {
     /// This worker's records in Dynamo's discovery now; its event channels
     /// only if `channels`.
     async fn ours(&self, channels: bool) -> Result<Ours, DiscoveryError> {
-        ours(&self.drt, &self.worker, self.id(), channels).await
+        ours(
+            &self.drt,
+            &self.read_back,
+            &self.worker,
+            self.id(),
+            channels,
+        )
+        .await
+    }
+
+    /// Holds Dynamo's `/health` at 503 (`true`) or lets it follow Dynamo's
+    /// worker again (`false`).
+    fn hold_readiness(&self, hold: bool) {
+        let health = self.drt.system_health();
+        let health = health.lock();
+        if hold {
+            health.hold_endpoint_readiness(WITHDRAWN);
+        } else {
+            health.release_endpoint_readiness(WITHDRAWN);
+        }
     }
 
     /// The context length to register: the flag's, else the engine's; a
@@ -264,15 +364,12 @@ impl DynamoRegistry {
 /// its namespace.
 async fn ours(
     drt: &DistributedRuntime,
+    read_back: &ReadBack,
     worker: &WorkerConfig,
     id: u64,
     channels: bool,
 ) -> Result<Ours, DiscoveryError> {
-    let read = |e: anyhow::Error| DiscoveryError::Io {
-        path: "Dynamo discovery".into(),
-        source: std::io::Error::other(format!("{e:#}")),
-    };
-    let discovery = drt.discovery();
+    let discovery = Reading::take(drt, read_back).await?;
     // Every endpoint of the component: beside the served one, Dynamo's KV
     // publisher registers a query endpoint of its own under the same id
     // (`worker_kv_query_source_<publisher>`), which the router asks to
@@ -282,8 +379,7 @@ async fn ours(
             namespace: worker.namespace.clone(),
             component: worker.component.clone(),
         })
-        .await
-        .map_err(read)?;
+        .await?;
     let (instances, others): (Vec<_>, Vec<_>) = endpoints
         .into_iter()
         .filter(|e| e.instance_id() == id)
@@ -297,8 +393,7 @@ async fn ours(
             component: worker.component.clone(),
             endpoint: worker.endpoint.clone(),
         })
-        .await
-        .map_err(read)?;
+        .await?;
     let mut rest: Vec<_> = cards
         .into_iter()
         .filter(|c| c.instance_id() == id)
@@ -309,8 +404,7 @@ async fn ours(
         // worker it speaks for is in its descriptor.
         let sources = discovery
             .list(DiscoveryQuery::EventSources(EventSourceQuery::all()))
-            .await
-            .map_err(read)?;
+            .await?;
         rest.extend(sources.into_iter().filter(|s| {
             match s {
                 DiscoveryInstance::EventSource {
@@ -330,29 +424,29 @@ async fn ours(
         let listening = own_channels::listening_ports();
         let channels = discovery
             .list(DiscoveryQuery::EventChannels(EventChannelQuery::all()))
-            .await
-            .map_err(read)?;
+            .await?;
+        // Every channel in this worker's own object is this process's.
+        let own_object = matches!(discovery, Reading::Object(_));
         rest.extend(channels.into_iter().filter(|c| match c {
             DiscoveryInstance::EventChannel {
                 scope,
                 transport: EventTransport::Zmq { endpoint },
                 ..
             } => {
-                scope.namespace() == worker.namespace && own_channels::is_ours(endpoint, &listening)
+                scope.namespace() == worker.namespace
+                    && (own_object || own_channels::is_ours(endpoint, &listening))
             }
             _ => false,
         }));
     }
-    Ok(Ours {
-        instance: !instances.is_empty(),
-        rest,
-    })
+    Ok(Ours { instances, rest })
 }
 
 /// Reports a lost registration when either record leaves discovery on its
 /// own (removed by someone, expired), or Dynamo's worker stops serving.
 fn watch(
     drt: DistributedRuntime,
+    read_back: ReadBack,
     worker: WorkerConfig,
     id: u64,
     stop: CancellationToken,
@@ -363,17 +457,20 @@ fn watch(
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep(WATCH_POLL) => {}
+                () = tokio::time::sleep(read_back.poll()) => {}
             }
-            let cause = match ours(&drt, &worker, id, false).await {
+            let cause = match ours(&drt, &read_back, &worker, id, false).await {
                 Ok(o) if o.registered() => {
                     unreadable_since = None;
                     continue;
                 }
-                Ok(o) if !o.instance => "the instance record left Dynamo's discovery".to_string(),
+                Ok(o) if o.instances.is_empty() => {
+                    "the instance record left Dynamo's discovery".to_string()
+                }
                 Ok(_) => "the model card left Dynamo's discovery".to_string(),
                 // A read that fails is not a lost record, unless they keep
-                // failing past the records' own lifetime.
+                // failing past the records' own lifetime (an object has none).
+                Err(_) if !read_back.expires() => continue,
                 Err(e) => {
                     let since = *unreadable_since.get_or_insert_with(tokio::time::Instant::now);
                     if since.elapsed() < UNREADABLE_FOR {
@@ -448,10 +545,12 @@ impl Discovery for DynamoRegistry {
             }
             tokio::time::sleep(SETTLE_POLL).await;
         }
+        self.hold_readiness(false);
         if let Some(running) = self.running().as_mut() {
             running.confirmed = true;
             watch(
                 self.drt.clone(),
+                self.read_back.clone(),
                 self.worker.clone(),
                 self.id(),
                 running.watch.clone(),
@@ -462,6 +561,10 @@ impl Discovery for DynamoRegistry {
     }
 
     async fn withdraw(&self) -> Result<(), DiscoveryError> {
+        // Dynamo's /health turns 503 first: in Kubernetes the pod's endpoint
+        // goes not ready, which hides the worker from every frontend even
+        // while the API server cannot take the rewrite of its object.
+        self.hold_readiness(true);
         // Cancelling Dynamo's worker unregisters its instance at once (then it
         // sleeps Dynamo's own grace, which the core's timing supersedes).
         if let Some(running) = self.running().as_ref() {
@@ -470,20 +573,18 @@ impl Discovery for DynamoRegistry {
         }
         let discovery = self.drt.discovery();
         loop {
-            let Ours { instance, rest, .. } = self.ours(true).await?;
-            if !instance && rest.is_empty() {
+            let Ours { instances, rest } = self.ours(true).await?;
+            if instances.is_empty() && rest.is_empty() {
                 return Ok(());
             }
-            if instance && self.running().is_none() {
-                // Nothing of ours runs, so nothing but us would remove it.
-                return Err(DiscoveryError::Unsupported(
-                    "an instance record with this worker's id is there, and no worker runs".into(),
-                ));
-            }
-            // Dynamo's worker leaves its model card and its event channels to
-            // expire with its lease; they go now, so no frontend lists a model
+            // Dynamo's worker removes its instance record at its shutdown,
+            // once: if that write failed (the API server or etcd away at that
+            // moment), nothing would retry it. So every record of this worker
+            // is removed here, the instance first, until none is left. Dynamo's
+            // worker leaves its model card and its event channels to expire
+            // with its lease; they go now too, so no frontend lists a model
             // nobody serves and no router subscribes to a publisher that left.
-            for record in rest {
+            for record in instances.into_iter().chain(rest) {
                 if let Err(e) = discovery.unregister(record).await {
                     tracing::debug!("discovery record removal failed, retrying: {e:#}");
                 }

@@ -98,6 +98,10 @@ pub async fn run(
                 .drive()
                 .await)
         }
+        DiscoveryUri::Kubernetes { .. } => Err(RunError::Discovery {
+            uri: config.discovery.to_string(),
+            message: "Kubernetes discovery is Dynamo's; llm-sidecar-dynamo registers there".into(),
+        }),
     }
 }
 

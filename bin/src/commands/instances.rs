@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use clap::Args;
-use llm_sidecar_io::discovery::{Discovery, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed};
+use llm_sidecar_io::discovery::{
+    Discovery, DiscoveryError, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed,
+};
 
 use crate::runtime::runtime;
 use crate::shared::{EXIT_USAGE, EtcdTlsArgs};
@@ -60,6 +62,9 @@ pub fn run(args: InstancesArgs) -> i32 {
                 .list()
                 .await
             }
+            DiscoveryUri::Kubernetes { .. } => Err(DiscoveryError::Unsupported(
+                "Dynamo's workers are listed with kubectl get dynamoworkermetadatas".into(),
+            )),
         }
     });
     let listed = match listed {

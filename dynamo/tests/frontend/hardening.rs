@@ -98,7 +98,7 @@ impl One {
     fn kv_dir(&self) -> &Path {
         match &self.store {
             Store::File(kv) => kv,
-            Store::Etcd(_) => unreachable!("a file store"),
+            Store::Etcd(_) | Store::Kube(_) => unreachable!("a file store"),
         }
     }
 }

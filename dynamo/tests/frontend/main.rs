@@ -6,6 +6,8 @@
 #[path = "../../../bin/tests/process/support/etcd.rs"]
 mod etcd;
 mod hardening;
+mod kube;
+mod kube_api;
 mod kv;
 #[path = "../../../bin/tests/process/support/proc.rs"]
 mod proc;
@@ -22,6 +24,14 @@ pub use support::{Certs, free_addr};
 /// record before requests are sent (measured in docs/PERFORMANCE.md's
 /// Dynamo table).
 const FRONTEND_SETTLE: Duration = Duration::from_millis(0);
+
+/// Which discovery a [`Setup`] registers in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Backend {
+    File,
+    Etcd,
+    Kube,
+}
 
 /// One frontend, `n` engines and their workers, registered and serving.
 struct Setup {
@@ -61,13 +71,28 @@ impl Setup {
         worker_env: &[(&str, String)],
         frontend_args: &[&str],
     ) -> Setup {
+        let backend = if etcd { Backend::Etcd } else { Backend::File };
+        Self::start_in(name, backend, n, token_delay, worker_env, frontend_args)
+    }
+
+    /// As [`Setup::start_with`], registered in `backend`.
+    fn start_in(
+        name: &str,
+        backend: Backend,
+        n: usize,
+        token_delay: &str,
+        worker_env: &[(&str, String)],
+        frontend_args: &[&str],
+    ) -> Setup {
         let dir = TempDir::new(name);
-        let store = if etcd {
-            Store::Etcd(Box::new(Etcd::started(&dir.0)))
-        } else {
-            let kv = dir.0.join("kv");
-            std::fs::create_dir_all(&kv).expect("kv dir");
-            Store::File(kv)
+        let store = match backend {
+            Backend::Etcd => Store::Etcd(Box::new(Etcd::started(&dir.0))),
+            Backend::Kube => Store::Kube(Box::new(FakeKube::start(&dir.0))),
+            Backend::File => {
+                let kv = dir.0.join("kv");
+                std::fs::create_dir_all(&kv).expect("kv dir");
+                Store::File(kv)
+            }
         };
         let tokenizer = write_tokenizer(&dir.0);
         let model = tokenizer.display().to_string();
@@ -89,6 +114,14 @@ impl Setup {
             ids.push(worker.wait_registered());
             engines.push(engine);
             workers.push(worker);
+        }
+        if let Store::Kube(kube) = &store {
+            // Routable only once kubelet found the pod ready.
+            wait_until(HANG, "every worker's pod to be ready", || {
+                workers
+                    .iter()
+                    .all(|w: &Worker| w.pod.as_ref().is_some_and(|(p, _)| kube.pod_ready(p)))
+            });
         }
         wait_until(
             Duration::from_secs(60),
@@ -176,22 +209,38 @@ fn chat_and_completions_reach_the_engine_as_token_ids_and_come_back_intact() {
 /// with the loss line, and the frontend must serve every request that starts
 /// after the withdrawal from worker 1.
 fn loss_moves_traffic_to_the_other_worker(name: &str, lose: impl FnOnce(&mut Setup), reason: &str) {
-    let mut s = Setup::start(name, 2, false, "2ms");
+    loss_moves_traffic_in(Backend::File, name, lose, reason);
+}
+
+/// As [`loss_moves_traffic_to_the_other_worker`], registered in `backend`;
+/// returns how long after the fault the records were gone.
+fn loss_moves_traffic_in(
+    backend: Backend,
+    name: &str,
+    lose: impl FnOnce(&mut Setup),
+    reason: &str,
+) -> Duration {
+    let mut s = Setup::start_in(name, backend, 2, "2ms", &[], &[]);
     s.assert_registered(0);
     s.assert_registered(1);
-    // The frontend spreads requests over both workers while both serve.
-    for i in 0..10 {
+    // The frontend spreads requests over both workers while both serve
+    // (ten requests at least; more while its discovery watch has not yet
+    // heard of the second one).
+    let served_both = || {
+        s.engines
+            .iter()
+            .all(|e| e.stats()["generate_started"].as_u64() > Some(0))
+    };
+    for i in 0..100 {
+        if i >= 10 && served_both() {
+            break;
+        }
         let (status, answer) = s
             .frontend
             .post("/v1/completions", &completion(&s.model, "w22", 2, false));
         assert_eq!(status, 200, "request {i} before the loss: {answer}");
     }
-    for (i, e) in s.engines.iter().enumerate() {
-        assert!(
-            e.stats()["generate_started"].as_u64() > Some(0),
-            "engine {i} served some before the loss"
-        );
-    }
+    assert!(served_both(), "both engines served some before the loss");
     let engine_instance = s.engines[0].stats()["instance_id"]
         .as_str()
         .expect("the engine's instance id")
@@ -223,6 +272,7 @@ fn loss_moves_traffic_to_the_other_worker(name: &str, lose: impl FnOnce(&mut Set
     assert_eq!(served_after - served_before, 20, "worker 1 served them all");
     s.assert_registered(1);
     eprintln!("{name}: records gone {withdrawn_after:?} after the loss");
+    withdrawn_after
 }
 
 #[test]

@@ -1,15 +1,21 @@
 //! Dynamo's real frontend (Python, from PyPI `ai-dynamo` 1.6.1), the mock
 //! OpenEngine engine (`llm-sidecar mock-engine`), and `llm-sidecar-dynamo`
-//! between them, on loopback with file or etcd discovery in a temporary
-//! directory; and a plain HTTP/1.1 client for the frontend's OpenAI API.
+//! between them, on loopback with file, etcd or Kubernetes (a fake API
+//! server) discovery in a temporary directory; and a plain HTTP/1.1 client for the frontend's OpenAI API.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 pub use crate::etcd::Etcd;
+pub use crate::kube_api::FakeKube;
+
+/// Makes each pod uid of a test run its own (a pod made again under the
+/// same name is another incarnation).
+static POD_INCARNATION: AtomicU64 = AtomicU64::new(0);
 pub use crate::proc::{HANG, Proc, TempDir, wait_until};
 
 /// Stand-in for the TLS material of `llm-sidecar`'s suite (etcd.rs names it);
@@ -166,10 +172,12 @@ pub fn mock_candidate(token: u32, rank: u32) -> u32 {
     if id < 3 { id + 3 } else { id }
 }
 
-/// Where the workers register: a file store, or a real etcd.
+/// Where the workers register: a file store, a real etcd, or Kubernetes
+/// (the fake API server of [`crate::kube_api`]).
 pub enum Store {
     File(PathBuf),
     Etcd(Box<Etcd>),
+    Kube(Box<FakeKube>),
 }
 
 impl Store {
@@ -179,6 +187,30 @@ impl Store {
         match self {
             Store::File(dir) => env.push(("DYN_FILE_KV", dir.display().to_string())),
             Store::Etcd(etcd) => env.push(("ETCD_ENDPOINTS", format!("http://{}", etcd.client))),
+            Store::Kube(kube) => {
+                env.push(("KUBECONFIG", kube.kubeconfig().display().to_string()));
+                env.push(("POD_NAMESPACE", "default".to_string()));
+            }
+        }
+        env
+    }
+
+    /// A process's pod in Kubernetes: its name and uid as the downward API
+    /// gives them, and (for a worker) the pod made in the fake API server,
+    /// its readiness probed on Dynamo's system port.
+    fn pod_env(&self, name: &str, probe: Option<SocketAddr>) -> Vec<(&'static str, String)> {
+        let Store::Kube(kube) = self else {
+            return Vec::new();
+        };
+        let uid = format!(
+            "uid-{name}-{}",
+            POD_INCARNATION.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut env = vec![("POD_NAME", name.to_string()), ("POD_UID", uid.clone())];
+        if let Some(probe) = probe {
+            kube.add_pod(name, &uid, probe);
+            env.push(("DYN_SYSTEM_HOST", probe.ip().to_string()));
+            env.push(("DYN_SYSTEM_PORT", probe.port().to_string()));
         }
         env
     }
@@ -187,6 +219,7 @@ impl Store {
         match self {
             Store::File(_) => "file",
             Store::Etcd(_) => "etcd",
+            Store::Kube(_) => "kubernetes",
         }
     }
 
@@ -204,6 +237,7 @@ impl Store {
                 })
                 .collect(),
             Store::Etcd(etcd) => etcd.keys(),
+            Store::Kube(kube) => kube.keys(),
         }
     }
 
@@ -257,7 +291,8 @@ impl Frontend {
         .map(|s| s.to_string())
         .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        let env = store.env();
+        let mut env = store.env();
+        env.extend(store.pod_env(&format!("frontend-{}", http.port()), None));
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let python = python();
         let proc = Proc::spawn_with_env(
@@ -467,6 +502,9 @@ pub struct Worker {
     pub proc: Proc,
     /// llm-sidecar's admin port, when the worker was given one.
     pub admin: Option<SocketAddr>,
+    /// In Kubernetes: its pod's name and Dynamo's system port (the pod's
+    /// readiness probe).
+    pub pod: Option<(String, SocketAddr)>,
 }
 
 impl Worker {
@@ -540,6 +578,11 @@ impl Worker {
         );
         all.extend(args.iter().cloned());
         let mut vars = store.env();
+        let pod = matches!(store, Store::Kube(_))
+            .then(|| (format!("worker-{}", engine.grpc.port()), free_system_addr()));
+        if let Some((name, probe)) = &pod {
+            vars.extend(store.pod_env(name, Some(*probe)));
+        }
         vars.extend(env.iter().map(|(k, v)| (*k, v.clone())));
         let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let proc = Proc::spawn_with_env(
@@ -548,7 +591,11 @@ impl Worker {
             &vars,
             dir.join(format!("worker-{}.log", engine.grpc.port())),
         );
-        Worker { proc, admin: None }
+        Worker {
+            proc,
+            admin: None,
+            pod,
+        }
     }
 
     /// Waits until the worker says its records are written; returns its

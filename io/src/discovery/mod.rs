@@ -27,6 +27,14 @@ pub enum DiscoveryUri {
     File(PathBuf),
     /// `etcd://host:port[,host:port...]`: keys with leases in etcd.
     Etcd(Vec<String>),
+    /// Dynamo's `kubernetes` backend: the worker's `DynamoWorkerMetadata`
+    /// object (`llm-sidecar-dynamo` only; `--discovery` never parses to it).
+    Kubernetes {
+        /// The pod's namespace.
+        namespace: String,
+        /// The object's name.
+        object: String,
+    },
 }
 
 impl DiscoveryUri {
@@ -105,6 +113,9 @@ impl std::fmt::Display for DiscoveryUri {
         match self {
             DiscoveryUri::File(dir) => write!(f, "file:{}", dir.display()),
             DiscoveryUri::Etcd(hosts) => write!(f, "etcd://{}", hosts.join(",")),
+            DiscoveryUri::Kubernetes { namespace, object } => {
+                write!(f, "kubernetes:{namespace}/dynamoworkermetadatas/{object}")
+            }
         }
     }
 }

@@ -1,0 +1,272 @@
+//! Dynamo's `kubernetes` discovery: two workers and Dynamo 1.6.1's real
+//! frontend, each with a pod of its own, registered through the fake API
+//! server of [`crate::kube_api`] (which plays kubelet: a worker is routable
+//! only while its Dynamo `/health` answers 200).
+
+use std::time::{Duration, Instant};
+
+use crate::kube_api::{FakeKube, Fault};
+use crate::support::*;
+use crate::{Backend, HANG, Setup, loss_moves_traffic_in, sigterm_drains_and_leaves_nothing};
+
+/// A worker's loss, in this backend: its records leave its object at once,
+/// its Dynamo `/health` turns 503 so its pod goes not ready, and the frontend
+/// serves every later request from the other worker.
+fn loss_in_kubernetes(name: &str, lose: impl FnOnce(&mut Setup), reason: &str) {
+    let mut not_ready_after = None;
+    let gone = loss_moves_traffic_in(
+        Backend::Kube,
+        name,
+        |s| {
+            let (name, system) = s.workers[0].pod.clone().expect("a pod");
+            let Store::Kube(kube) = &s.store else {
+                unreachable!("a Kubernetes setup")
+            };
+            assert!(
+                kube.pod_ready(&name),
+                "kubelet found the pod ready while it served"
+            );
+            let lost_at = Instant::now();
+            lose(s);
+            wait_until(HANG, "Dynamo's /health to answer 503", || {
+                llm_sidecar_loadgen::local::http_get(system, "/health", Duration::from_secs(5))
+                    .is_some_and(|r| r.0 == 503)
+            });
+            not_ready_after = Some(lost_at.elapsed());
+        },
+        reason,
+    );
+    eprintln!(
+        "{name}: object rewritten {gone:?} after the fault, /health 503 after {not_ready_after:?}"
+    );
+}
+
+#[test]
+fn in_kubernetes_a_killed_engine_takes_its_worker_out_of_its_object_and_its_pod_out_of_ready() {
+    loss_in_kubernetes(
+        "dyn-kube-killed",
+        |s| s.engines[0].proc.signal("KILL"),
+        "liveness stream",
+    );
+}
+
+#[test]
+fn in_kubernetes_an_engine_going_not_serving_takes_its_worker_out() {
+    loss_in_kubernetes(
+        "dyn-kube-not-serving",
+        |s| s.engines[0].control("/liveness?status=2"),
+        "liveness reported NOT_SERVING",
+    );
+}
+
+/// SIGTERM: the request in flight finishes, the object holds none of the
+/// worker's records, exit 0, and the pod went not ready on the way.
+#[test]
+fn in_kubernetes_sigterm_drains_and_leaves_no_record() {
+    let mut s = Setup::start_in("dyn-kube-sigterm", Backend::Kube, 1, "10ms", &[], &[]);
+    let (pod, _) = s.workers[0].pod.clone().expect("a pod");
+    let Store::Kube(kube) = &s.store else {
+        unreachable!("a Kubernetes setup")
+    };
+    let object = kube
+        .object(&pod)
+        .expect("the worker's DynamoWorkerMetadata");
+    assert_eq!(
+        object["metadata"]["ownerReferences"][0]["name"],
+        pod.as_str(),
+        "owned by its pod: {object}"
+    );
+    sigterm_drains_and_leaves_nothing(&s);
+    let code = s.workers[0].proc.wait_exit(HANG);
+    assert_eq!(code, 0, "log:\n{}", s.workers[0].proc.log_text());
+    s.workers[0].proc.assert_withdrawn_before_exit(0);
+    assert!(
+        s.store.keys().is_empty(),
+        "nothing left: {:?}",
+        s.store.keys()
+    );
+    let Store::Kube(kube) = &mut s.store else {
+        unreachable!()
+    };
+    // Kubelet's next probe finds nothing listening.
+    wait_until(HANG, "the pod to go not ready", || !kube.pod_ready(&pod));
+}
+
+/// A pod deleted: the garbage collector removes its object, and the frontend
+/// no longer lists the model once no worker serves it.
+#[test]
+fn in_kubernetes_a_deleted_pods_object_is_collected_and_its_model_leaves_the_frontend() {
+    let s = Setup::start_in("dyn-kube-gc", Backend::Kube, 1, "2ms", &[], &[]);
+    let (pod, _) = s.workers[0].pod.clone().expect("a pod");
+    let Store::Kube(kube) = &s.store else {
+        unreachable!("a Kubernetes setup")
+    };
+    kube.delete_pod(&pod);
+    assert!(kube.object(&pod).is_none(), "collected with its pod");
+    wait_until(HANG, "the frontend to drop the model", || {
+        !s.frontend.models().contains(&s.model)
+    });
+}
+
+/// Runs the worker in the `kubernetes` backend against `kube` (none: a
+/// kubeconfig naming a closed port) with this environment; returns its exit
+/// code and what it logged.
+fn worker_alone(
+    dir: &TempDir,
+    kube: Option<&FakeKube>,
+    env: &[(&str, &str)],
+    deadline: &str,
+) -> (i32, String) {
+    let kubeconfig = match kube {
+        Some(k) => k.kubeconfig().to_path_buf(),
+        None => {
+            let closed = free_addr();
+            let path = dir.0.join("kubeconfig-closed");
+            std::fs::write(
+                &path,
+                format!(
+                    "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{closed}\n\
+                     users:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\n\
+                     current-context: c\n"
+                ),
+            )
+            .expect("kubeconfig");
+            path
+        }
+    };
+    let out = std::process::Command::new(worker_binary())
+        .args([
+            "--grpc-endpoint",
+            &free_addr().to_string(),
+            "--model-path",
+            "/m",
+            "--discovery-backend",
+            "kubernetes",
+            "--request-plane",
+            "tcp",
+            "--grpc-retry-interval-secs",
+            "1",
+            "--grpc-startup-deadline-secs",
+            deadline,
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("POD_NAME")
+        .env_remove("POD_UID")
+        .env_remove("POD_NAMESPACE")
+        .env_remove("DYN_KUBE_DISCOVERY_MODE")
+        .env_remove("CONTAINER_NAME")
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the worker");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn in_kubernetes_a_missing_or_malformed_pod_field_exits_2_naming_it() {
+    let dir = TempDir::new("dyn-kube-identity");
+    let kube = FakeKube::start(&dir.0);
+    for (env, named) in [
+        (vec![("POD_UID", "u1")], "POD_NAME"),
+        (vec![("POD_NAME", "w0")], "POD_UID"),
+        (vec![("POD_NAME", "W_0"), ("POD_UID", "u1")], "POD_NAME"),
+        (
+            vec![
+                ("POD_NAME", "w0"),
+                ("POD_UID", "u1"),
+                ("DYN_KUBE_DISCOVERY_MODE", "node"),
+            ],
+            "DYN_KUBE_DISCOVERY_MODE",
+        ),
+        (
+            vec![
+                ("POD_NAME", "w0"),
+                ("POD_UID", "u1"),
+                ("DYN_KUBE_DISCOVERY_MODE", "container"),
+            ],
+            "CONTAINER_NAME",
+        ),
+    ] {
+        let (code, said) = worker_alone(&dir, Some(&kube), &env, "30");
+        assert_eq!(code, 2, "{env:?}: {said}");
+        assert!(said.contains(named), "{env:?} names {named}: {said}");
+    }
+    assert!(
+        kube.keys().is_empty() && kube.object("w0").is_none(),
+        "nothing written"
+    );
+}
+
+/// An API server that forbids the calls, lacks the CRD, or is not there:
+/// retried with a line that says which, then exit 3 at the start-up deadline.
+#[test]
+fn in_kubernetes_an_unusable_api_server_is_retried_with_the_reason_then_exits_3() {
+    let dir = TempDir::new("dyn-kube-unusable");
+    let kube = FakeKube::start(&dir.0);
+    let pod = [("POD_NAME", "w0"), ("POD_UID", "u1")];
+    for (fault, says) in [
+        (Some(Fault::Forbidden), "forbids it (RBAC"),
+        (
+            Some(Fault::NoCrd),
+            "CRD (dynamoworkermetadatas.nvidia.com) is not installed",
+        ),
+        (None, "unreachable"),
+    ] {
+        let (code, said) = match fault {
+            Some(f) => {
+                kube.fault(Some(f));
+                worker_alone(&dir, Some(&kube), &pod, "3")
+            }
+            None => worker_alone(&dir, None, &pod, "3"),
+        };
+        assert_eq!(code, 3, "{fault:?}: {said}");
+        assert!(
+            said.contains("retrying") && said.contains(says),
+            "{fault:?}: {said}"
+        );
+        assert!(
+            said.contains("start-up deadline passed"),
+            "{fault:?}: {said}"
+        );
+    }
+}
+
+/// The API server down when the engine is lost: Dynamo's `/health` turns
+/// 503 at once (kubelet takes the pod out of ready, which needs no API
+/// write), the object's rewrite is retried, and once the API server is back
+/// it holds none of the worker's records; exit 1.
+#[test]
+fn in_kubernetes_a_loss_while_the_api_server_is_down_is_withdrawn_when_it_is_back() {
+    let mut s = Setup::start_in("dyn-kube-down", Backend::Kube, 1, "2ms", &[], &[]);
+    let (pod, system) = s.workers[0].pod.clone().expect("a pod");
+    let Store::Kube(kube) = &s.store else {
+        unreachable!("a Kubernetes setup")
+    };
+    assert!(!kube.keys().is_empty(), "registered");
+    kube.fault(Some(Fault::Down));
+    s.engines[0].proc.signal("KILL");
+    wait_until(HANG, "Dynamo's /health to answer 503", || {
+        llm_sidecar_loadgen::local::http_get(system, "/health", Duration::from_secs(5))
+            .is_some_and(|r| r.0 == 503)
+    });
+    wait_until(HANG, "kubelet to take the pod out of ready", || {
+        !kube.pod_ready(&pod)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        !kube.keys().is_empty(),
+        "the object cannot have been rewritten while the API server was down"
+    );
+    let worker = &mut s.workers[0];
+    worker.proc.wait_for_line("withdraw", HANG);
+    kube.fault(None);
+    wait_until(
+        HANG,
+        "the object to hold none of the worker's records",
+        || kube.keys().is_empty(),
+    );
+    let code = worker.proc.wait_exit(HANG);
+    assert_eq!(code, 1, "log:\n{}", worker.proc.log_text());
+}
