@@ -18,7 +18,7 @@ fn loss_in_kubernetes(name: &str, lose: impl FnOnce(&mut Setup), reason: &str) {
         Backend::Kube,
         name,
         |s| {
-            let (name, system) = s.workers[0].pod.clone().expect("a pod");
+            let PodOf { name, system, .. } = s.workers[0].pod.clone().expect("a pod");
             let Store::Kube(kube) = &s.store else {
                 unreachable!("a Kubernetes setup")
             };
@@ -64,7 +64,7 @@ fn in_kubernetes_an_engine_going_not_serving_takes_its_worker_out() {
 #[test]
 fn in_kubernetes_sigterm_drains_and_leaves_no_record() {
     let mut s = Setup::start_in("dyn-kube-sigterm", Backend::Kube, 1, "10ms", &[], &[]);
-    let (pod, _) = s.workers[0].pod.clone().expect("a pod");
+    let pod = s.workers[0].pod.clone().expect("a pod").name;
     let Store::Kube(kube) = &s.store else {
         unreachable!("a Kubernetes setup")
     };
@@ -97,7 +97,7 @@ fn in_kubernetes_sigterm_drains_and_leaves_no_record() {
 #[test]
 fn in_kubernetes_a_deleted_pods_object_is_collected_and_its_model_leaves_the_frontend() {
     let s = Setup::start_in("dyn-kube-gc", Backend::Kube, 1, "2ms", &[], &[]);
-    let (pod, _) = s.workers[0].pod.clone().expect("a pod");
+    let pod = s.workers[0].pod.clone().expect("a pod").name;
     let Store::Kube(kube) = &s.store else {
         unreachable!("a Kubernetes setup")
     };
@@ -240,7 +240,9 @@ fn in_kubernetes_an_unusable_api_server_is_retried_with_the_reason_then_exits_3(
 #[test]
 fn in_kubernetes_a_loss_while_the_api_server_is_down_is_withdrawn_when_it_is_back() {
     let mut s = Setup::start_in("dyn-kube-down", Backend::Kube, 1, "2ms", &[], &[]);
-    let (pod, system) = s.workers[0].pod.clone().expect("a pod");
+    let PodOf {
+        name: pod, system, ..
+    } = s.workers[0].pod.clone().expect("a pod");
     let Store::Kube(kube) = &s.store else {
         unreachable!("a Kubernetes setup")
     };
@@ -269,4 +271,65 @@ fn in_kubernetes_a_loss_while_the_api_server_is_down_is_withdrawn_when_it_is_bac
     );
     let code = worker.proc.wait_exit(HANG);
     assert_eq!(code, 1, "log:\n{}", worker.proc.log_text());
+}
+
+/// The worker's container restarted in its pod (after an engine loss, exit
+/// 1): the new process registers under the same instance id (the pod name's
+/// hash) with its new address, and the frontend routes to it again.
+#[test]
+fn in_kubernetes_a_container_restarted_in_its_pod_serves_again_under_the_same_id() {
+    let mut s = Setup::start_in("dyn-kube-restart", Backend::Kube, 1, "2ms", &[], &[]);
+    let pod = s.workers[0].pod.clone().expect("a pod");
+    let first_id = s.ids[0].clone();
+    let Store::Kube(kube) = &s.store else {
+        unreachable!("a Kubernetes setup")
+    };
+    let first_object_uid = kube.object(&pod.name).expect("its object")["metadata"]["uid"].clone();
+    s.engines[0].proc.signal("KILL");
+    assert_eq!(s.workers[0].proc.wait_exit(HANG), 1);
+    assert!(kube.keys().is_empty(), "withdrawn: {:?}", kube.keys());
+    // The kubelet restarts both containers of the pod: a new engine (another
+    // port here), a new worker process with the pod's identity and ports.
+    let engine = Engine::start(&s._dir.0, "2ms");
+    let model = std::path::PathBuf::from(&s.model);
+    let mut worker = Worker::spawn_in(
+        &[],
+        &s._dir.0,
+        &s.store,
+        &engine,
+        &model,
+        &["--router-grace".to_string(), "1s".to_string()],
+        &[],
+        Some(pod.clone()),
+    );
+    assert_eq!(worker.wait_registered(), first_id, "the same instance id");
+    let object = kube.object(&pod.name).expect("its object");
+    assert_eq!(
+        object["metadata"]["uid"], first_object_uid,
+        "the same object, rewritten"
+    );
+    wait_until(HANG, "kubelet to find the pod ready again", || {
+        kube.pod_ready(&pod.name)
+    });
+    wait_until(HANG, "the frontend to list the model again", || {
+        s.frontend.models().contains(&s.model)
+    });
+    let mut served = 0;
+    for _ in 0..50 {
+        let (status, _) = s
+            .frontend
+            .post("/v1/completions", &completion(&s.model, "w22", 2, false));
+        if status == 200 {
+            served += 1;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(served, 1, "served again");
+    assert!(
+        engine.stats()["generate_started"].as_u64() > Some(0),
+        "by the restarted engine"
+    );
+    worker.proc.signal("TERM");
+    assert_eq!(worker.proc.wait_exit(HANG), 0);
 }

@@ -120,7 +120,7 @@ impl Setup {
             wait_until(HANG, "every worker's pod to be ready", || {
                 workers
                     .iter()
-                    .all(|w: &Worker| w.pod.as_ref().is_some_and(|(p, _)| kube.pod_ready(p)))
+                    .all(|w: &Worker| w.pod.as_ref().is_some_and(|p| kube.pod_ready(&p.name)))
             });
         }
         wait_until(

@@ -172,6 +172,15 @@ pub fn mock_candidate(token: u32, rank: u32) -> u32 {
     if id < 3 { id + 3 } else { id }
 }
 
+/// A worker's pod in Kubernetes.
+#[derive(Clone, Debug)]
+pub struct PodOf {
+    pub name: String,
+    pub uid: String,
+    /// Dynamo's system port, which kubelet probes (`/health`).
+    pub system: SocketAddr,
+}
+
 /// Where the workers register: a file store, a real etcd, or Kubernetes
 /// (the fake API server of [`crate::kube_api`]).
 pub enum Store {
@@ -195,24 +204,42 @@ impl Store {
         env
     }
 
-    /// A process's pod in Kubernetes: its name and uid as the downward API
-    /// gives them, and (for a worker) the pod made in the fake API server,
-    /// its readiness probed on Dynamo's system port.
-    fn pod_env(&self, name: &str, probe: Option<SocketAddr>) -> Vec<(&'static str, String)> {
+    /// A new pod in Kubernetes named `name`, made in the fake API server
+    /// (`system` is where kubelet probes its readiness: Dynamo's system port).
+    pub fn new_pod(&self, name: &str, system: SocketAddr) -> Option<PodOf> {
         let Store::Kube(kube) = self else {
-            return Vec::new();
+            return None;
         };
         let uid = format!(
             "uid-{name}-{}",
             POD_INCARNATION.fetch_add(1, Ordering::Relaxed)
         );
-        let mut env = vec![("POD_NAME", name.to_string()), ("POD_UID", uid.clone())];
-        if let Some(probe) = probe {
-            kube.add_pod(name, &uid, probe);
-            env.push(("DYN_SYSTEM_HOST", probe.ip().to_string()));
-            env.push(("DYN_SYSTEM_PORT", probe.port().to_string()));
+        kube.add_pod(name, &uid, system);
+        Some(PodOf {
+            name: name.to_string(),
+            uid,
+            system,
+        })
+    }
+
+    /// A process's pod as the downward API gives it, and Dynamo's system
+    /// port; the frontend's pod (`None`) has a name and uid only.
+    fn pod_env(&self, name: &str, pod: Option<&PodOf>) -> Vec<(&'static str, String)> {
+        if !matches!(self, Store::Kube(_)) {
+            return Vec::new();
         }
-        env
+        let Some(pod) = pod else {
+            return vec![
+                ("POD_NAME", name.to_string()),
+                ("POD_UID", format!("uid-{name}")),
+            ];
+        };
+        vec![
+            ("POD_NAME", pod.name.clone()),
+            ("POD_UID", pod.uid.clone()),
+            ("DYN_SYSTEM_HOST", pod.system.ip().to_string()),
+            ("DYN_SYSTEM_PORT", pod.system.port().to_string()),
+        ]
     }
 
     fn backend(&self) -> &'static str {
@@ -502,9 +529,9 @@ pub struct Worker {
     pub proc: Proc,
     /// llm-sidecar's admin port, when the worker was given one.
     pub admin: Option<SocketAddr>,
-    /// In Kubernetes: its pod's name and Dynamo's system port (the pod's
+    /// In Kubernetes: its pod (name, uid, Dynamo's system port: the pod's
     /// readiness probe).
-    pub pod: Option<(String, SocketAddr)>,
+    pub pod: Option<PodOf>,
 }
 
 impl Worker {
@@ -558,6 +585,26 @@ impl Worker {
         args: &[String],
         env: &[(&str, String)],
     ) -> Self {
+        let pod = store.new_pod(
+            &format!("worker-{}", engine.grpc.port()),
+            free_system_addr(),
+        );
+        Self::spawn_in(under, dir, store, engine, model, args, env, pod)
+    }
+
+    /// As [`Worker::spawn`], in this pod (in Kubernetes: a container
+    /// restarted in its pod keeps the pod's name, uid and ports).
+    #[allow(clippy::too_many_arguments)]
+    pub fn spawn_in(
+        under: &[&str],
+        dir: &Path,
+        store: &Store,
+        engine: &Engine,
+        model: &Path,
+        args: &[String],
+        env: &[(&str, String)],
+        pod: Option<PodOf>,
+    ) -> Self {
         let mut all: Vec<String> = under.iter().skip(1).map(|s| s.to_string()).collect();
         if !under.is_empty() {
             all.push(worker_binary().to_string());
@@ -578,10 +625,8 @@ impl Worker {
         );
         all.extend(args.iter().cloned());
         let mut vars = store.env();
-        let pod = matches!(store, Store::Kube(_))
-            .then(|| (format!("worker-{}", engine.grpc.port()), free_system_addr()));
-        if let Some((name, probe)) = &pod {
-            vars.extend(store.pod_env(name, Some(*probe)));
+        if let Some(pod) = &pod {
+            vars.extend(store.pod_env(&pod.name, Some(pod)));
         }
         vars.extend(env.iter().map(|(k, v)| (*k, v.clone())));
         let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
