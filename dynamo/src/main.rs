@@ -170,17 +170,50 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
     code.as_i32()
 }
 
+/// Runs `attempt` every retry interval, each bounded by the connect-attempt
+/// timeout, until it succeeds or the start-up deadline passes (`None`, with
+/// an ERROR line). Each failure is one WARN: "`what` is not usable yet".
+async fn retry_until_deadline<T, F, Fut>(
+    settings: &Settings,
+    deadline: tokio::time::Instant,
+    what: &str,
+    mut attempt: F,
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let timings = &settings.run.timings;
+    loop {
+        let why = match tokio::time::timeout(timings.connect_attempt_timeout, attempt()).await {
+            Ok(Ok(done)) => return Some(done),
+            Ok(Err(e)) => e,
+            Err(_) => "no answer within the connect-attempt timeout".to_string(),
+        };
+        if tokio::time::Instant::now() + timings.retry_interval >= deadline {
+            tracing::error!(
+                "start-up deadline passed: {what} ({}) never became usable: {why}",
+                settings.run.discovery
+            );
+            return None;
+        }
+        tracing::warn!(
+            "{what} ({}) is not usable yet, retrying: {why}",
+            settings.run.discovery
+        );
+        tokio::time::sleep(timings.retry_interval).await;
+    }
+}
+
 /// The Kubernetes API server, before Dynamo's runtime uses it: answers, lets
 /// this pod's ServiceAccount list `DynamoWorkerMetadata` objects, knows the
 /// CRD; in container mode, an earlier incarnation's object removed (Dynamo's
-/// runtime panics if that fails). Retried every retry interval with a line
-/// that says what is wrong, until the start-up deadline; `None` past it.
+/// runtime panics if that fails). Retried until the start-up deadline.
 async fn connect_kube(
     pod: kube::PodIdentity,
     settings: &Settings,
     deadline: tokio::time::Instant,
 ) -> Option<OwnObject> {
-    let timings = &settings.run.timings;
     let object = match OwnObject::new(pod).await {
         Ok(o) => o,
         Err(e) => {
@@ -188,43 +221,24 @@ async fn connect_kube(
             return None;
         }
     };
-    loop {
-        let attempt = tokio::time::timeout(timings.connect_attempt_timeout, async {
-            object.check().await?;
-            if object.identity().mode == Mode::Container {
-                object.remove_stale().await?;
-            }
-            Ok::<_, kube::ApiError>(())
-        })
-        .await;
-        let why = match attempt {
-            Ok(Ok(())) => return Some(object),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "no answer within the connect-attempt timeout".to_string(),
-        };
-        if tokio::time::Instant::now() + timings.retry_interval >= deadline {
-            tracing::error!(
-                "start-up deadline passed: Dynamo's kubernetes discovery ({}): {why}",
-                settings.run.discovery
-            );
-            return None;
+    let check = || async {
+        object.check().await.map_err(|e| e.to_string())?;
+        if object.identity().mode == Mode::Container {
+            object.remove_stale().await.map_err(|e| e.to_string())?;
         }
-        tracing::warn!(
-            "Dynamo's kubernetes discovery ({}) is not usable yet, retrying: {why}",
-            settings.run.discovery
-        );
-        tokio::time::sleep(timings.retry_interval).await;
-    }
+        Ok(())
+    };
+    retry_until_deadline(settings, deadline, "Dynamo's kubernetes discovery", check).await?;
+    Some(object)
 }
 
 /// Dynamo's runtime on this process's tokio runtime, connected to its
-/// discovery; retried every retry interval until the start-up deadline (an
-/// etcd that is not up yet), `None` past it.
+/// discovery; retried until the start-up deadline (an etcd that is not up
+/// yet).
 async fn connect_dynamo(
     settings: &Settings,
     deadline: tokio::time::Instant,
 ) -> Option<DistributedRuntime> {
-    let timings = &settings.run.timings;
     let runtime = match Runtime::from_current() {
         Ok(r) => r,
         Err(e) => {
@@ -232,35 +246,17 @@ async fn connect_dynamo(
             return None;
         }
     };
-    loop {
-        let config = match settings.common.runtime.to_distributed_config() {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!("Dynamo runtime settings: {e:#}");
-                return None;
-            }
-        };
-        let attempt = tokio::time::timeout(
-            timings.connect_attempt_timeout,
-            DistributedRuntime::new(runtime.clone(), config),
-        )
-        .await;
-        let why = match attempt {
-            Ok(Ok(drt)) => return Some(drt),
-            Ok(Err(e)) => format!("{e:#}"),
-            Err(_) => "no answer within the connect-attempt timeout".to_string(),
-        };
-        if tokio::time::Instant::now() + timings.retry_interval >= deadline {
-            tracing::error!(
-                "start-up deadline passed: Dynamo's discovery ({}) never answered: {why}",
-                settings.run.discovery
-            );
-            return None;
-        }
-        tracing::warn!(
-            "Dynamo's discovery ({}) is not reachable yet, retrying: {why}",
-            settings.run.discovery
-        );
-        tokio::time::sleep(timings.retry_interval).await;
-    }
+    // Settings were checked with the flags; a config is built per attempt
+    // (Dynamo's is not Clone).
+    let connect = || async {
+        let config = settings
+            .common
+            .runtime
+            .to_distributed_config()
+            .map_err(|e| format!("Dynamo runtime settings: {e:#}"))?;
+        DistributedRuntime::new(runtime.clone(), config)
+            .await
+            .map_err(|e| format!("{e:#}"))
+    };
+    retry_until_deadline(settings, deadline, "Dynamo's discovery", connect).await
 }
