@@ -14,6 +14,8 @@
 mod answer;
 mod args;
 mod bridge;
+#[cfg(test)]
+mod conformance;
 mod kube;
 mod kv_events;
 mod load;

@@ -48,6 +48,9 @@ pub enum Fault {
     NoCrd,
     /// Connections accepted and dropped at once; open watches cut.
     Down,
+    /// Every server-side apply held this long before it is stored (an API
+    /// server under load).
+    SlowApply(Duration),
 }
 
 /// A pod, as kubelet and the EndpointSlice controller see it.
@@ -241,23 +244,36 @@ impl FakeKube {
     /// Deletes a pod: its slice goes, and the garbage collector removes every
     /// object it owns.
     pub fn delete_pod(&self, name: &str) {
+        self.remove_pod(name);
+        self.collect_garbage();
+    }
+
+    /// Deletes a pod and its slice, and nothing else yet: the garbage
+    /// collector runs later, apart from the deletion, as Kubernetes' does.
+    pub fn remove_pod(&self, name: &str) {
         let mut s = self.state();
-        let Some(pod) = s.pods.remove(name) else {
-            return;
-        };
-        s.remove("slice", &format!("{name}-slice"));
-        let owned: Vec<String> = s
+        if s.pods.remove(name).is_some() {
+            s.remove("slice", &format!("{name}-slice"));
+        }
+    }
+
+    /// The garbage collector's pass: every object none of whose owners is a
+    /// pod that exists (by uid) is removed.
+    pub fn collect_garbage(&self) {
+        let mut s = self.state();
+        let live: Vec<String> = s.pods.values().map(|p| p.uid.clone()).collect();
+        let orphans: Vec<String> = s
             .objects
             .iter()
             .filter(|((kind, _), o)| {
                 *kind == "dwm"
                     && o["metadata"]["ownerReferences"]
                         .as_array()
-                        .is_some_and(|r| r.iter().any(|r| r["uid"] == pod.uid.as_str()))
+                        .is_some_and(|r| !r.iter().any(|r| live.iter().any(|u| r["uid"] == *u)))
             })
             .map(|((_, name), _)| name.clone())
             .collect();
-        for name in owned {
+        for name in orphans {
             s.remove("dwm", &name);
         }
     }
@@ -456,6 +472,13 @@ async fn answer(req: Request<Incoming>, state: Arc<Mutex<State>>) -> Response<Bo
             let Ok(object) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
                 return status(415, "UnsupportedMediaType", "JSON apply patches only");
             };
+            let held = match state.lock().unwrap().fault {
+                Some(Fault::SlowApply(held)) => Some(held),
+                _ => None,
+            };
+            if let Some(held) = held {
+                tokio::time::sleep(held).await;
+            }
             let stored = state.lock().unwrap().put("dwm", &name, object);
             full(200, stored)
         }

@@ -516,3 +516,109 @@ fn a_request_whose_engine_dies_at_token_5_migrates_with_nothing_lost() {
         );
     }
 }
+
+/// The engine serving a streamed request SIGKILLed after its fifth token,
+/// 20 times in a row (the killed pair restarted each time), with the
+/// frontend's `--migration-limit 1`: every time the stream moves to the
+/// other worker and the client receives all 20 tokens, the first 5 as the
+/// first engine made them, and no error. The broken stream reaches the
+/// frontend typed `Disconnected`, which Dynamo's push router quarantines the
+/// worker for (`dynamo-runtime` 1.6.1 `push_router.rs`, `is_inhibited`)
+/// before its migration picks the retry's worker.
+#[test]
+fn a_stream_whose_engine_is_killed_mid_way_migrates_every_time() {
+    const KILLS: usize = 20;
+    let mut s = Setup::start_with(
+        "dyn-migrate-kill",
+        2,
+        false,
+        "20ms",
+        &[],
+        &["--migration-limit", "1"],
+    );
+    let model = std::path::PathBuf::from(&s.model);
+    let started = |s: &Setup| -> Vec<u64> {
+        s.engines
+            .iter()
+            .map(|e| e.stats()["generate_started"].as_u64().unwrap_or(0))
+            .collect()
+    };
+    let mut gaps = Vec::new();
+    for kill in 0..KILLS {
+        // No special token among the first 20, nor in any continuation the
+        // other engine makes after 5 to 15 of them.
+        let (prompt, text) = prompt_where(600 + 700 * kill as u32, 20, |p, first| {
+            (5..=15).all(|k| {
+                let moved: Vec<u32> = p.iter().chain(&first[..k]).copied().collect();
+                !any_special(&mock_tokens(&moved, 20 - k as u32))
+            })
+        });
+        let before = started(&s);
+        let sent = Instant::now();
+        let stream = s
+            .frontend
+            .open_post("/v1/completions", &completion(&s.model, &text, 20, true));
+        let mut body = String::new();
+        let mut killed = None;
+        let mut fifth_at = None;
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            body.push_str(&line);
+            body.push('\n');
+            if killed.is_none() && answer_text(&body).split_whitespace().count() >= 5 {
+                let now = started(&s);
+                let serving = (0..2)
+                    .find(|i| now[*i] > before[*i])
+                    .expect("an engine took the request");
+                s.engines[serving].proc.signal("KILL");
+                killed = Some(serving);
+                fifth_at = Some(sent.elapsed());
+            }
+        }
+        let dead = killed.unwrap_or_else(|| panic!("kill {kill}: 5 tokens never came: {body}"));
+        let (events, done) = sse_events(&body);
+        assert!(
+            done && !events.iter().any(is_error_event),
+            "kill {kill}: the stream migrated, no error reached the client: {body}"
+        );
+        let got = answer_text(&body);
+        assert_eq!(
+            got.split_whitespace().count(),
+            20,
+            "kill {kill}: 20 tokens: {body}"
+        );
+        assert!(
+            got.starts_with(&words(&mock_tokens(&prompt, 5))),
+            "kill {kill}: the first engine's 5 tokens first: {got}"
+        );
+        gaps.push(sent.elapsed() - fifth_at.unwrap_or_default());
+        // The kubelet's part: the killed pair restarted, and the frontend
+        // routing to it again before the next kill.
+        assert_eq!(s.workers[dead].proc.wait_exit(HANG), 1, "kill {kill}");
+        let engine = Engine::start(&s._dir.0, "20ms");
+        let mut worker = Worker::start(
+            &[],
+            &s._dir.0,
+            &s.store,
+            &engine,
+            &model,
+            &["--router-grace", "1s"],
+            &[],
+        );
+        s.ids[dead] = worker.wait_registered();
+        s.engines[dead] = engine;
+        s.workers[dead] = worker;
+        wait_until(
+            HANG,
+            "the frontend to route to the restarted worker",
+            || {
+                let (status, answer) = s
+                    .frontend
+                    .post("/v1/completions", &completion(&s.model, "w22", 1, false));
+                assert_eq!(status, 200, "kill {kill}: {answer}");
+                s.engines[dead].stats()["generate_started"].as_u64() > Some(0)
+            },
+        );
+    }
+    eprintln!("{KILLS} kills, {KILLS} migrations; fifth token to the end of the stream: {gaps:?}");
+}
