@@ -261,16 +261,24 @@ impl FakeKube {
     /// pod that exists (by uid) is removed.
     pub fn collect_garbage(&self) {
         let mut s = self.state();
-        let live: Vec<String> = s.pods.values().map(|p| p.uid.clone()).collect();
+        let live: std::collections::BTreeSet<&str> =
+            s.pods.values().map(|p| p.uid.as_str()).collect();
+        // Kubernetes' collector takes an object with owners only, once none
+        // of them exists.
+        let orphan = |o: &Value| {
+            let owners = o["metadata"]["ownerReferences"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            !owners.is_empty()
+                && !owners
+                    .iter()
+                    .any(|r| r["uid"].as_str().is_some_and(|u| live.contains(u)))
+        };
         let orphans: Vec<String> = s
             .objects
             .iter()
-            .filter(|((kind, _), o)| {
-                *kind == "dwm"
-                    && o["metadata"]["ownerReferences"]
-                        .as_array()
-                        .is_some_and(|r| !r.iter().any(|r| live.iter().any(|u| r["uid"] == *u)))
-            })
+            .filter(|((kind, _), o)| *kind == "dwm" && orphan(o))
             .map(|((_, name), _)| name.clone())
             .collect();
         for name in orphans {
@@ -472,11 +480,8 @@ async fn answer(req: Request<Incoming>, state: Arc<Mutex<State>>) -> Response<Bo
             let Ok(object) = serde_json::from_slice::<Value>(&body.to_bytes()) else {
                 return status(415, "UnsupportedMediaType", "JSON apply patches only");
             };
-            let held = match state.lock().unwrap().fault {
-                Some(Fault::SlowApply(held)) => Some(held),
-                _ => None,
-            };
-            if let Some(held) = held {
+            let fault = state.lock().unwrap().fault;
+            if let Some(Fault::SlowApply(held)) = fault {
                 tokio::time::sleep(held).await;
             }
             let stored = state.lock().unwrap().put("dwm", &name, object);

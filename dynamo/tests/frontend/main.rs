@@ -46,6 +46,29 @@ struct Setup {
     ids: Vec<String>,
 }
 
+/// An engine and its worker (router grace 1 s), the worker registered in
+/// `store`; with the worker's instance id.
+fn start_pair(
+    dir: &std::path::Path,
+    store: &Store,
+    tokenizer: &std::path::Path,
+    token_delay: &str,
+    worker_env: &[(&str, String)],
+) -> (Engine, Worker, String) {
+    let engine = Engine::start(dir, token_delay);
+    let mut worker = Worker::start(
+        &[],
+        dir,
+        store,
+        &engine,
+        tokenizer,
+        &["--router-grace", "1s"],
+        worker_env,
+    );
+    let id = worker.wait_registered();
+    (engine, worker, id)
+}
+
 impl Setup {
     fn start(name: &str, n: usize, etcd: bool, token_delay: &str) -> Setup {
         Self::start_with_env(name, n, etcd, token_delay, &[])
@@ -101,17 +124,9 @@ impl Setup {
         let mut workers = Vec::new();
         let mut ids = Vec::new();
         for _ in 0..n {
-            let engine = Engine::start(&dir.0, token_delay);
-            let mut worker = Worker::start(
-                &[],
-                &dir.0,
-                &store,
-                &engine,
-                &tokenizer,
-                &["--router-grace", "1s"],
-                worker_env,
-            );
-            ids.push(worker.wait_registered());
+            let (engine, worker, id) =
+                start_pair(&dir.0, &store, &tokenizer, token_delay, worker_env);
+            ids.push(id);
             engines.push(engine);
             workers.push(worker);
         }

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
 use crate::support::*;
-use crate::{HANG, Setup, wait_until};
+use crate::{HANG, Setup, start_pair, wait_until};
 
 /// The first prompt `[a, a + 1]` from `from` on whose first `n` tokens the
 /// mock produces no special token (the frontend shows no text for those
@@ -595,17 +595,8 @@ fn a_stream_whose_engine_is_killed_mid_way_migrates_every_time() {
         // The kubelet's part: the killed pair restarted, and the frontend
         // routing to it again before the next kill.
         assert_eq!(s.workers[dead].proc.wait_exit(HANG), 1, "kill {kill}");
-        let engine = Engine::start(&s._dir.0, "20ms");
-        let mut worker = Worker::start(
-            &[],
-            &s._dir.0,
-            &s.store,
-            &engine,
-            &model,
-            &["--router-grace", "1s"],
-            &[],
-        );
-        s.ids[dead] = worker.wait_registered();
+        let (engine, worker, id) = start_pair(&s._dir.0, &s.store, &model, "20ms", &[]);
+        s.ids[dead] = id;
         s.engines[dead] = engine;
         s.workers[dead] = worker;
         wait_until(
