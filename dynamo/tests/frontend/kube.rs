@@ -3,6 +3,7 @@
 //! server of [`crate::kube_api`] (which plays kubelet: a worker is routable
 //! only while its Dynamo `/health` answers 200).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use crate::kube_api::{FakeKube, Fault};
@@ -233,6 +234,47 @@ fn in_kubernetes_an_unusable_api_server_is_retried_with_the_reason_then_exits_3(
     }
 }
 
+/// The frontend's watches cut while a worker is lost (writes still served:
+/// the object is rewritten, kubelet takes the pod out of ready), and the
+/// change history compacted before the watches are back: each watch resumes
+/// from a resource version the API server no longer holds, is told `410
+/// Expired`, and lists again; the frontend, rebuilt from the lists, serves
+/// every later request from the other worker.
+#[test]
+fn in_kubernetes_a_frontend_whose_watches_expired_across_a_loss_lists_again_and_routes_around_it() {
+    loss_moves_traffic_in(
+        Backend::Kube,
+        "dyn-kube-expired",
+        |s| {
+            let Store::Kube(kube) = &s.store else {
+                unreachable!("a Kubernetes setup")
+            };
+            let pod = s.workers[0].pod.clone().expect("a pod").name;
+            kube.fault(Some(Fault::WatchesDown));
+            s.engines[0].proc.signal("KILL");
+            wait_until(HANG, "worker 0's records to leave its object", || {
+                s.store.keys_of(&s.ids[0]).is_empty()
+            });
+            wait_until(HANG, "kubelet to take the pod out of ready", || {
+                !kube.pod_ready(&pod)
+            });
+            let lists = kube.lists();
+            kube.compact();
+            kube.fault(None);
+            // Both of the frontend's watches (its workers' objects, its
+            // pods' EndpointSlices) are told, and both list again.
+            wait_until(HANG, "the frontend's watches to be told 410", || {
+                kube.expired_watches() >= 2
+            });
+            wait_until(HANG, "the frontend to list again", || {
+                kube.lists() >= lists + 2
+            });
+            std::thread::sleep(Duration::from_secs(1));
+        },
+        "liveness stream",
+    );
+}
+
 /// The API server down when the engine is lost: Dynamo's `/health` turns
 /// 503 at once (kubelet takes the pod out of ready, which needs no API
 /// write), the object's rewrite is retried, and once the API server is back
@@ -400,5 +442,136 @@ fn assert_served_by(s: &Setup, kube: &FakeKube, pod: &PodOf, engine: &Engine) {
     assert!(
         engine.stats()["generate_started"].as_u64() > Some(0),
         "by the pod's engine"
+    );
+}
+
+/// What an engine's SIGKILL looked like in Kubernetes discovery, from the
+/// fault: when the worker's records left its object, when its Dynamo
+/// `/health` answered 503, when kubelet took its pod out of ready (each
+/// `None` if not within [`WATCHED`]); then the statuses of 20 requests sent
+/// after that.
+struct KillSeen {
+    records_gone: Option<Duration>,
+    health_503: Option<Duration>,
+    not_ready: Option<Duration>,
+    statuses: BTreeMap<u16, u32>,
+}
+
+/// How long a SIGKILL's effects are watched for.
+const WATCHED: Duration = Duration::from_secs(5);
+
+/// Two engines and two workers started by `under` (`&[]`: ours, with
+/// exactly Dynamo's sidecar's arguments; [`DYNAMOS_OWN_SIDECAR`]: Dynamo's),
+/// each in a pod of its own; both serve; engine 0 is SIGKILLed.
+fn sigkill_seen_in_kubernetes(name: &str, under: &[&str]) -> KillSeen {
+    let mut s = Setup::start_in(name, Backend::Kube, 0, "2ms", &[], &[]);
+    let model = std::path::PathBuf::from(&s.model);
+    for _ in 0..2 {
+        let engine = Engine::start(&s._dir.0, "2ms");
+        let worker = Worker::spawn(under, &s._dir.0, &s.store, &engine, &model, &[], &[]);
+        s.engines.push(engine);
+        s.workers.push(worker);
+    }
+    let Store::Kube(kube) = &s.store else {
+        unreachable!("a Kubernetes setup")
+    };
+    let pods: Vec<PodOf> = s
+        .workers
+        .iter()
+        .map(|w| w.pod.clone().expect("a pod"))
+        .collect();
+    let records = |pod: &PodOf| {
+        kube.object(&pod.name)
+            .and_then(|o| o["spec"]["data"]["endpoints"].as_object().map(|e| e.len()))
+            .unwrap_or(0)
+    };
+    wait_until(HANG, "both workers' records, both pods ready", || {
+        pods.iter()
+            .all(|p| records(p) > 0 && kube.pod_ready(&p.name))
+    });
+    wait_until(HANG, "the frontend to list the model", || {
+        s.frontend.models().contains(&s.model)
+    });
+    let served_both = || {
+        s.engines
+            .iter()
+            .all(|e| e.stats()["generate_started"].as_u64() > Some(0))
+    };
+    for i in 0..100 {
+        if i >= 10 && served_both() {
+            break;
+        }
+        let (status, answer) = s
+            .frontend
+            .post("/v1/completions", &completion(&s.model, "w22", 2, false));
+        assert_eq!(status, 200, "request {i} before the loss: {answer}");
+    }
+    assert!(served_both(), "both engines served some before the loss");
+
+    let killed = Instant::now();
+    s.engines[0].proc.signal("KILL");
+    let (mut records_gone, mut health_503, mut not_ready) = (None, None, None);
+    while killed.elapsed() < WATCHED {
+        let at = Some(killed.elapsed());
+        if records_gone.is_none() && records(&pods[0]) == 0 {
+            records_gone = at;
+        }
+        if health_503.is_none()
+            && llm_sidecar_loadgen::local::http_get(
+                pods[0].system,
+                "/health",
+                Duration::from_secs(1),
+            )
+            .is_some_and(|r| r.0 == 503)
+        {
+            health_503 = at;
+        }
+        if not_ready.is_none() && !kube.pod_ready(&pods[0].name) {
+            not_ready = at;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut statuses = BTreeMap::new();
+    for _ in 0..20 {
+        let (status, _) = s.frontend.post(
+            "/v1/completions",
+            &completion(&s.model, "w20 w21", 4, false),
+        );
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    KillSeen {
+        records_gone,
+        health_503,
+        not_ready,
+        statuses,
+    }
+}
+
+/// The peer baseline, side by side: the same pods, the same fake API
+/// server and Dynamo 1.6.1's real frontend, first with this worker, then
+/// with Dynamo's own TensorRT-LLM sidecar given the same arguments. Both
+/// register through the fake API server and serve (Dynamo's own runtime
+/// writing to it is a check of the fake too); after the engine's SIGKILL
+/// this worker leaves (records out, `/health` 503, pod not ready) and every
+/// later request is served. What Dynamo's sidecar does is printed, not
+/// asserted: it is the baseline, not the product.
+#[test]
+fn in_kubernetes_an_engine_sigkill_beside_dynamos_own_sidecar() {
+    let ours = sigkill_seen_in_kubernetes("dyn-kube-peer-ours", &[]);
+    let theirs = sigkill_seen_in_kubernetes("dyn-kube-peer-dynamo", DYNAMOS_OWN_SIDECAR);
+    for (who, seen) in [("llm-sidecar-dynamo", &ours), ("Dynamo's sidecar", &theirs)] {
+        eprintln!(
+            "engine SIGKILL in Kubernetes, {who}: records out {:?}, /health 503 {:?}, \
+             pod not ready {:?} (None: not within {WATCHED:?}); 20 requests after: {:?}",
+            seen.records_gone, seen.health_503, seen.not_ready, seen.statuses
+        );
+    }
+    assert!(ours.records_gone.is_some(), "our records left the object");
+    assert!(ours.health_503.is_some(), "our /health answered 503");
+    assert!(ours.not_ready.is_some(), "our pod went not ready");
+    assert_eq!(
+        ours.statuses,
+        BTreeMap::from([(200, 20)]),
+        "every request after our worker left was served"
     );
 }

@@ -11,8 +11,11 @@
 //! EndpointSlice controller (one slice per pod, labelled as Dynamo's operator
 //! labels its Services) and the garbage collector (a pod deleted takes the
 //! objects it owns). Faults on demand: 403 and 404 on every
-//! `DynamoWorkerMetadata` call, and the server down (connections accepted and
-//! dropped, open watches cut).
+//! `DynamoWorkerMetadata` call, the server down (connections accepted and
+//! dropped, open watches cut), watches alone down, slow writes; and a
+//! compaction of the change history, after which a watch from an older
+//! resource version is told it is too old (`410 Expired`), as Kubernetes'
+//! watch cache tells it.
 //!
 //! Real clients sit on both ends: Dynamo's frontend (Python, Dynamo's Rust
 //! runtime inside) and `llm-sidecar-dynamo`, each with a kubeconfig naming
@@ -51,6 +54,10 @@ pub enum Fault {
     /// Every server-side apply held this long before it is stored (an API
     /// server under load).
     SlowApply(Duration),
+    /// Open watches cut and new ones answered 503, every other call served:
+    /// the watchers miss changes and, once watches are back, resume from the
+    /// resource version they last saw.
+    WatchesDown,
 }
 
 /// A pod, as kubelet and the EndpointSlice controller see it.
@@ -66,8 +73,17 @@ struct State {
     version: u64,
     /// Objects by (collection, name): "dwm" or "slice".
     objects: BTreeMap<(&'static str, String), Value>,
-    /// Every change, for watches that start from a resource version.
+    /// Every change since the last compaction, for watches that start from
+    /// a resource version.
     history: Vec<(u64, &'static str, Value)>,
+    /// The resource version of the last compaction: a watch from an older
+    /// one cannot be resumed.
+    compacted: u64,
+    /// Watches answered `410 Expired`.
+    expired: u64,
+    /// Lists served whole (not metadata-only): a watcher's first, or its
+    /// next after an expired watch.
+    lists: u64,
     watchers: Vec<(&'static str, mpsc::UnboundedSender<Bytes>)>,
     pods: BTreeMap<String, Pod>,
     fault: Option<Fault>,
@@ -295,12 +311,34 @@ impl FakeKube {
     pub fn fault(&self, fault: Option<Fault>) {
         let mut s = self.state();
         s.fault = fault;
-        if fault == Some(Fault::Down) {
+        if matches!(fault, Some(Fault::Down | Fault::WatchesDown)) {
+            // Dropping a watch's sender ends its response.
             s.watchers.clear();
-            if let Some(cut) = &s.cut {
-                cut.send_modify(|n| *n += 1);
-            }
         }
+        if fault == Some(Fault::Down)
+            && let Some(cut) = &s.cut
+        {
+            cut.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Compacts the change history as etcd does: a watch from a resource
+    /// version older than the current one is then answered `410 Expired`
+    /// and its watcher must list again.
+    pub fn compact(&self) {
+        let mut s = self.state();
+        s.compacted = s.version;
+        s.history.clear();
+    }
+
+    /// How many watches were answered `410 Expired`.
+    pub fn expired_watches(&self) -> u64 {
+        self.state().expired
+    }
+
+    /// How many whole lists were served.
+    pub fn lists(&self) -> u64 {
+        self.state().lists
     }
 
     /// The `DynamoWorkerMetadata` object of this name, if any.
@@ -424,6 +462,26 @@ async fn answer(req: Request<Incoming>, state: Arc<Mutex<State>>) -> Response<Bo
             let (tx, rx) = mpsc::unbounded_channel();
             {
                 let mut s = state.lock().unwrap();
+                if s.fault == Some(Fault::WatchesDown) {
+                    return status(503, "ServiceUnavailable", "watches unavailable");
+                }
+                if from != 0 && from < s.compacted {
+                    // What Kubernetes' watch cache answers: the response
+                    // starts, and its one event is the error.
+                    s.expired += 1;
+                    let line = json!({"type": "ERROR", "object": {
+                        "kind": "Status", "apiVersion": "v1", "metadata": {},
+                        "status": "Failure", "reason": "Expired", "code": 410,
+                        "message": format!("too old resource version: {from} ({})", s.compacted),
+                    }});
+                    let mut bytes = serde_json::to_vec(&line).expect("JSON");
+                    bytes.push(b'\n');
+                    return Response::builder()
+                        .status(200)
+                        .header("content-type", "application/json")
+                        .body(BodyExt::boxed(Full::new(Bytes::from(bytes))))
+                        .expect("a response");
+                }
                 for (version, k, line) in &s.history {
                     if *k == kind && *version > from {
                         let mut bytes = serde_json::to_vec(line).expect("JSON");
@@ -445,7 +503,10 @@ async fn answer(req: Request<Incoming>, state: Arc<Mutex<State>>) -> Response<Bo
                 .expect("a response")
         }
         ("GET", None) => {
-            let s = state.lock().unwrap();
+            let mut s = state.lock().unwrap();
+            if !metadata_only {
+                s.lists += 1;
+            }
             let items: Vec<Value> = s
                 .objects
                 .iter()

@@ -534,6 +534,11 @@ pub struct Worker {
     pub pod: Option<PodOf>,
 }
 
+/// As `under`, Dynamo 1.6.1's own TensorRT-LLM sidecar in place of the
+/// worker (`python -m dynamo.trtllm.sidecar`, Dynamo's Python): the peer
+/// baseline, given the same arguments and environment.
+pub const DYNAMOS_OWN_SIDECAR: &[&str] = &["python", "-m", "dynamo.trtllm.sidecar"];
+
 impl Worker {
     /// A worker with an admin port and the test's short timings, plus
     /// `extra` and the environment `env`, run by the command `under` (see
@@ -575,7 +580,8 @@ impl Worker {
     /// (`--grpc-endpoint`, `--model-path`, `--discovery-backend`,
     /// `--request-plane`) and `args` after them, run by the command `under`
     /// (its program and arguments, the worker's command line after them:
-    /// `prlimit --nofile=…`; none: `&[]`).
+    /// `prlimit --nofile=…`; none: `&[]`; [`DYNAMOS_OWN_SIDECAR`]: Dynamo's
+    /// own sidecar in the worker's place).
     pub fn spawn(
         under: &[&str],
         dir: &Path,
@@ -606,7 +612,7 @@ impl Worker {
         pod: Option<PodOf>,
     ) -> Self {
         let mut all: Vec<String> = under.iter().skip(1).map(|s| s.to_string()).collect();
-        if !under.is_empty() {
+        if !under.is_empty() && under != DYNAMOS_OWN_SIDECAR {
             all.push(worker_binary().to_string());
         }
         all.extend(
@@ -630,8 +636,15 @@ impl Worker {
         }
         vars.extend(env.iter().map(|(k, v)| (*k, v.clone())));
         let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let python;
+        let program = if under == DYNAMOS_OWN_SIDECAR {
+            python = self::python();
+            python.to_str().expect("UTF-8 path")
+        } else {
+            under.first().copied().unwrap_or(worker_binary())
+        };
         let proc = Proc::spawn_with_env(
-            under.first().copied().unwrap_or(worker_binary()),
+            program,
             &all,
             &vars,
             dir.join(format!("worker-{}.log", engine.grpc.port())),
