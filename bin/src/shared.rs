@@ -9,8 +9,7 @@ use clap::{Args, ValueEnum};
 use llm_sidecar_io::ConfigError;
 use llm_sidecar_io::tls::EtcdTls;
 
-/// Exit code for bad usage or configuration (nothing was contacted).
-pub const EXIT_USAGE: i32 = 2;
+pub use llm_sidecar_io::process::EXIT_USAGE;
 
 /// How log lines are written (to stderr).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

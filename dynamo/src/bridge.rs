@@ -27,13 +27,13 @@ use tonic::transport::Channel;
 use crate::answer::{self, Reader, Step, status_error};
 use crate::kv_events::{self, NoEvents};
 use crate::load::{self, Capacity};
-use crate::request::{self, Capabilities};
+use crate::request::{self, Capabilities, Served};
 
 /// The message of a request refused while admission is closed.
 const DRAINING: &str = "worker draining; retry on another worker";
 
-/// The message of a request cut at the drain deadline.
-const CUT: &str = "drain deadline reached; retry on another worker";
+/// The message of a request cut at the drain deadline: the proxy's.
+const CUT: &str = llm_sidecar_io::request_plane::CUT_MESSAGE;
 
 /// How long a `Control.Abort` may take: the engine stream is reset anyway,
 /// so a wedged engine must not hold the cancelling task.
@@ -41,19 +41,6 @@ const ABORT_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How long the engine may take to end its stream after the final message.
 const TRAILERS_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The model as the engine reported it at start-up, and the card's settings.
-#[derive(Debug, Clone)]
-pub struct Served {
-    /// The name clients ask for: `--model-path`, as Dynamo's own sidecar
-    /// registers it.
-    pub name: String,
-    /// The engine's own name for its model (`GetModelInfo`), sent in every
-    /// Generate.
-    pub engine_model: String,
-    /// Registered context length: the flag's, else the engine's.
-    pub context_length: Option<u32>,
-}
 
 /// Dynamo's `LLMEngine` in front of an OpenEngine engine.
 pub struct Bridge {

@@ -29,8 +29,9 @@ use llm_sidecar_mock_engine::{HealthMode, MockConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::args::Args;
-use crate::bridge::{Bridge, Served};
+use crate::bridge::Bridge;
 use crate::load;
+use crate::request::Served;
 
 /// Generous: only stops a hang.
 const HANG: Duration = Duration::from_secs(60);

@@ -29,18 +29,14 @@ use std::time::Duration;
 use clap::Parser;
 use dynamo_backend_common::WorkerConfig;
 use dynamo_runtime::{DistributedRuntime, Runtime};
-use llm_sidecar_io::process::{Throttle, init_logging_throttled, runtime, shutdown_signals};
+use llm_sidecar_io::process::{
+    EXIT_STARTUP, EXIT_USAGE, Throttle, init_logging_throttled, runtime, shutdown_signals,
+};
 use llm_sidecar_io::{Front, engine};
 
 use crate::args::{Args, Settings};
 use crate::kube::{Mode, OwnObject};
 use crate::registry::{DynamoRegistry, ReadBack};
-
-/// Malformed flags or settings: nothing was contacted.
-const EXIT_USAGE: i32 = 2;
-
-/// Start-up did not complete within the deadline (as `llm-sidecar run`).
-const EXIT_STARTUP: i32 = 3;
 
 /// After the last request ended, how long Dynamo's response plane has to
 /// send what the bridge yielded last before the process goes. The bridge

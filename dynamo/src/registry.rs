@@ -27,10 +27,11 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
-use crate::bridge::{Bridge, Served};
+use crate::bridge::Bridge;
 use crate::kube::OwnObject;
 use crate::load::{self, Capacity};
 use crate::own_channels;
+use crate::request::Served;
 
 /// How often discovery is read back while a write settles.
 const SETTLE_POLL: Duration = Duration::from_millis(20);

@@ -22,7 +22,18 @@ use llm_sidecar_engine_api::openengine::{
 use llm_sidecar_engine_api::prost_types;
 use tonic::metadata::{MetadataMap, MetadataValue};
 
-use crate::bridge::Served;
+/// The model as the engine reported it at start-up, and the card's settings.
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// The name clients ask for: `--model-path`, as Dynamo's own sidecar
+    /// registers it.
+    pub name: String,
+    /// The engine's own name for its model (`GetModelInfo`), sent in every
+    /// Generate.
+    pub engine_model: String,
+    /// Registered context length: the flag's, else the engine's.
+    pub context_length: Option<u32>,
+}
 
 /// What the engine said it serves per request (`ModelInfo.generation`,
 /// `supports_lora`). `None` is "not said".

@@ -4,6 +4,16 @@
 
 use tokio::sync::mpsc;
 
+/// Exit code for bad usage or configuration: nothing was contacted. Both
+/// binaries exit with it; the lifecycle's own codes (0, 1, 3) are
+/// `llm_sidecar_core::ExitReason`'s.
+pub const EXIT_USAGE: i32 = 2;
+
+/// Exit code when start-up did not complete before its deadline: the
+/// lifecycle's, for a start-up step that runs before the lifecycle does (the
+/// Dynamo worker's connection to discovery).
+pub const EXIT_STARTUP: i32 = llm_sidecar_core::ExitReason::StartupFailed.as_i32();
+
 /// Exit code when the async runtime cannot start (the OS refused its threads):
 /// sysexits' EX_OSERR. Never 1, which means "engine lost" to a supervisor.
 pub const EXIT_RUNTIME: i32 = 71;

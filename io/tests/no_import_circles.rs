@@ -1,5 +1,5 @@
-//! The rooms of the house form hierarchies: in the IO layer, the core and the
-//! binary, no room uses another that uses it back (directly or around a longer
+//! The rooms of the house form hierarchies: in the IO layer, the core, the
+//! binary and the Dynamo worker, no room uses another that uses it back (directly or around a longer
 //! circle). Leaves such as `parse` and `net` use nothing; the driver, at the
 //! top, may use everything.
 //!
@@ -128,4 +128,9 @@ fn no_room_of_the_core_uses_one_that_uses_it_back() {
 #[test]
 fn no_room_of_the_binary_uses_one_that_uses_it_back() {
     assert_a_hierarchy("../bin", "shared");
+}
+
+#[test]
+fn no_room_of_the_dynamo_worker_uses_one_that_uses_it_back() {
+    assert_a_hierarchy("../dynamo", "answer");
 }

@@ -35,7 +35,7 @@ use super::framing::{
     MessageLimiter, PREFIX_LEN, grpc_timeout, header_list_size, too_large_headers_message,
     too_large_message,
 };
-use super::outcome::CallOutcome;
+use super::outcome::{CUT_MESSAGE, CallOutcome};
 use super::unanswered_stream::UnansweredStream;
 use crate::engine::ENGINE_STREAM_WINDOW;
 
@@ -69,9 +69,6 @@ const OWN_HEALTH_STREAMS: u64 = 1024;
 /// stream opened and never sent its request (half-open) is answered then,
 /// rather than held for ever.
 const OWN_HEALTH_REQUEST_WAIT: Duration = Duration::from_secs(5);
-
-/// The status message of a call cut at the drain deadline.
-const CUT_MESSAGE: &str = "drain deadline reached; retry on another worker";
 
 /// The status message of a call whose `grpc-timeout` passed.
 const DEADLINE_MESSAGE: &str = "deadline exceeded (grpc-timeout)";

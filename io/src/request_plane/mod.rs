@@ -50,7 +50,7 @@ pub(crate) use accept::serve;
 pub use admitted::{Admitted, HostedCalls};
 pub(crate) use engine_pool::EnginePool;
 pub(crate) use outcome::CallCounters;
-pub use outcome::CallOutcome;
+pub use outcome::{CUT_MESSAGE, CallOutcome};
 pub(crate) use own_health::OwnHealth;
 pub(crate) use shards::Shards;
 pub use shards::auto_worker_threads;

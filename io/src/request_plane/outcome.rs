@@ -7,6 +7,11 @@ use std::time::Duration;
 
 use prometheus_client::metrics::histogram::Histogram;
 
+/// The status message (UNAVAILABLE) of a call cut at the drain deadline, in
+/// every front: the proxy's and a hosting system's (the Dynamo worker's).
+/// Callers and routers read it as "retry elsewhere".
+pub const CUT_MESSAGE: &str = "drain deadline reached; retry on another worker";
+
 /// How a call on the request plane ended. Every call that reaches the proxy ends
 /// in exactly one of these, so the sidecar's account reconciles with what the
 /// callers and the engine saw (docs/RELIABILITY.md).
