@@ -96,6 +96,12 @@ only=()
 log "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace "${only[@]}" --all-targets --locked -- -D warnings
 
+# Private items too: the rooms' docs are written for the people who work in
+# them, and their links between rooms resolve there.
+log "cargo doc (every item, warnings are errors)"
+RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" \
+  cargo doc --workspace "${only[@]}" --no-deps --document-private-items --locked
+
 log "cargo test --workspace (llm-sidecar-dynamo's tests run Dynamo 1.6.1's frontend)"
 cargo test --workspace "${only[@]}" --locked
 

@@ -23,7 +23,7 @@ use crate::loss::LossReason;
 use crate::time::{HumanDuration, Time};
 
 /// The words of the ERROR line that says the worker leaves because its
-/// record could not be written again ("instance <id> <these words>: …").
+/// record could not be written again (`"instance <id> <these words>: …"`).
 pub const NOT_REGISTERED: &str = "is not registered in discovery";
 
 /// What the machine reacts to (statig's event type; handlers must call their

@@ -14,6 +14,8 @@ use crate::shared::{EXIT_USAGE, EtcdTlsArgs};
 #[derive(Debug, Args)]
 pub struct InstancesArgs {
     /// Where to look: file:<dir> or etcd://host:port[,...].
+    // The doc comment is --help text, where `<dir>` reads as it should.
+    #[allow(rustdoc::invalid_html_tags)]
     #[arg(
         long,
         env = "SIDECAR_DISCOVERY",

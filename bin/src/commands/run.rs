@@ -41,6 +41,8 @@ pub struct RunArgs {
     pub admin_listen: SocketAddr,
     /// Where the worker is registered: file:<dir> (embedded, one JSON file per
     /// worker) or etcd://host:port[,host:port...].
+    // The doc comment is --help text, where `<dir>` reads as it should.
+    #[allow(rustdoc::invalid_html_tags)]
     #[arg(
         long,
         env = "SIDECAR_DISCOVERY",
