@@ -20,7 +20,7 @@ use dynamo_runtime::discovery::{
     DiscoveryInstance, DiscoveryMetadata, DiscoveryQuery, EventChannelQuery, EventSourceQuery,
     EventTransport,
 };
-use llm_sidecar_io::discovery::{Discovery, DiscoveryError, ListedRecord, Record};
+use llm_sidecar_io::discovery::{CallStatus, Discovery, DiscoveryError, Record};
 use llm_sidecar_io::request_plane::HostedCalls;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -96,13 +96,13 @@ impl Reading {
         match read_back {
             ReadBack::Listing => Ok(Reading::Listing(drt.discovery())),
             ReadBack::OwnObject(object) => {
-                let records = object.records().await.map_err(|e| DiscoveryError::Io {
-                    path: format!(
+                let records = object.records().await.map_err(|e| DiscoveryError::Hosted {
+                    what: format!(
                         "DynamoWorkerMetadata {}/{}",
                         object.identity().namespace,
                         object.identity().object
                     ),
-                    source: std::io::Error::other(e),
+                    source: e.into(),
                 })?;
                 Ok(Reading::Object(records.unwrap_or_default()))
             }
@@ -112,10 +112,13 @@ impl Reading {
     async fn list(&self, query: DiscoveryQuery) -> Result<Vec<DiscoveryInstance>, DiscoveryError> {
         match self {
             Reading::Listing(discovery) => {
-                discovery.list(query).await.map_err(|e| DiscoveryError::Io {
-                    path: "Dynamo discovery".into(),
-                    source: std::io::Error::other(format!("{e:#}")),
-                })
+                discovery
+                    .list(query)
+                    .await
+                    .map_err(|e| DiscoveryError::Hosted {
+                        what: "Dynamo discovery".into(),
+                        source: e.into(),
+                    })
             }
             Reading::Object(records) => Ok(records.filter(&query)),
         }
@@ -273,9 +276,9 @@ impl DynamoRegistry {
     async fn checked_capacity(&self) -> Result<Capacity, DiscoveryError> {
         let reported = load::read_capacity(self.channels[0].clone())
             .await
-            .map_err(|status| DiscoveryError::Io {
-                path: "the engine's GetServerInfo".into(),
-                source: std::io::Error::other(format!("{}: {}", status.code(), status.message())),
+            .map_err(|status| DiscoveryError::Engine {
+                call: "GetServerInfo",
+                source: CallStatus(status),
             })?;
         let (capacity, left_out) = reported
             .check()
@@ -498,8 +501,8 @@ impl Discovery for DynamoRegistry {
         lost: mpsc::UnboundedSender<String>,
     ) -> Result<(), DiscoveryError> {
         let Some(calls) = self.calls.get().cloned() else {
-            return Err(DiscoveryError::Unsupported(
-                "the request plane is not ready yet".into(),
+            return Err(DiscoveryError::NotReady(
+                "the request plane is not ready yet",
             ));
         };
         // A worker whose records left discovery is replaced; one from an
@@ -539,9 +542,9 @@ impl Discovery for DynamoRegistry {
                     Ok(Err(e)) => format!("Dynamo's worker failed: {e}"),
                     Err(e) => format!("Dynamo's worker panicked: {e}"),
                 };
-                return Err(DiscoveryError::Io {
-                    path: "Dynamo discovery".into(),
-                    source: std::io::Error::other(why),
+                return Err(DiscoveryError::Hosted {
+                    what: "Dynamo discovery".into(),
+                    source: why.into(),
                 });
             }
             tokio::time::sleep(SETTLE_POLL).await;
@@ -592,12 +595,6 @@ impl Discovery for DynamoRegistry {
             }
             tokio::time::sleep(SETTLE_POLL).await;
         }
-    }
-
-    async fn list(&self) -> Result<Vec<ListedRecord>, DiscoveryError> {
-        Err(DiscoveryError::Unsupported(
-            "Dynamo's records are listed with Dynamo's tools".into(),
-        ))
     }
 
     fn location(&self, record: &Record) -> String {

@@ -91,7 +91,7 @@ pub async fn run(
             )
             .map_err(|e| RunError::Discovery {
                 uri: config.discovery.to_string(),
-                message: e.to_string(),
+                message: crate::report::error_chain(&e),
             })?;
             Ok(start(config, Arc::new(etcd), Front::Proxy, shutdown)
                 .await?

@@ -3,9 +3,8 @@
 use std::time::Duration;
 
 use clap::Args;
-use llm_sidecar_io::discovery::{
-    Discovery, DiscoveryError, DiscoveryUri, EtcdDiscovery, FileDiscovery, Listed,
-};
+use llm_sidecar_io::discovery::{DiscoveryUri, EtcdDiscovery, FileDiscovery, ListRecords, Listed};
+use llm_sidecar_io::report::error_chain;
 
 use crate::runtime::runtime;
 use crate::shared::{EXIT_USAGE, EtcdTlsArgs};
@@ -45,34 +44,34 @@ pub fn run(args: InstancesArgs) -> i32 {
             return EXIT_USAGE;
         }
     };
-    let listed = runtime(None).block_on(async {
-        match &uri {
-            DiscoveryUri::File(dir) => {
-                // Listing registers nothing, so the guard interval is never used.
-                FileDiscovery::new(dir.clone(), Duration::from_secs(1))
-                    .list()
-                    .await
-            }
-            DiscoveryUri::Etcd(endpoints) => {
-                let bound = Duration::from_secs(5);
-                EtcdDiscovery::new(
-                    endpoints.clone(),
-                    Duration::from_secs(10),
-                    bound,
-                    etcd_tls.as_ref(),
-                )?
-                .list()
-                .await
-            }
-            DiscoveryUri::Kubernetes { .. } => Err(DiscoveryError::Unsupported(
-                "Dynamo's workers are listed with kubectl get dynamoworkermetadatas".into(),
-            )),
+    let listed = match &uri {
+        DiscoveryUri::File(dir) => {
+            // Listing registers nothing, so the guard interval is never used.
+            runtime(None).block_on(FileDiscovery::new(dir.clone(), Duration::from_secs(1)).list())
         }
-    });
+        DiscoveryUri::Etcd(endpoints) => runtime(None).block_on(async {
+            let bound = Duration::from_secs(5);
+            EtcdDiscovery::new(
+                endpoints.clone(),
+                Duration::from_secs(10),
+                bound,
+                etcd_tls.as_ref(),
+            )?
+            .list()
+            .await
+        }),
+        DiscoveryUri::Kubernetes { .. } => {
+            eprintln!(
+                "error: {uri}: Dynamo's workers in Kubernetes are listed with \
+                 `kubectl get dynamoworkermetadatas`"
+            );
+            return EXIT_USAGE;
+        }
+    };
     let listed = match listed {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: cannot read {uri}: {e}");
+            eprintln!("error: cannot read {uri}: {}", error_chain(&e));
             return 1;
         }
     };

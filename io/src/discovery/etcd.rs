@@ -26,7 +26,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{Discovery, DiscoveryError, Listed, ListedRecord, Record};
+use super::{
+    CallStatus, Cause, Discovery, DiscoveryError, ListRecords, Listed, ListedRecord, Record,
+};
 
 /// The key prefix every record lives under.
 const PREFIX: &str = "v1/instances/";
@@ -46,15 +48,10 @@ struct Active {
     keepalive: CancellationToken,
 }
 
-fn etcd_err(what: &str, e: &tonic::Status) -> DiscoveryError {
-    let text = if e.message().is_empty() {
-        format!("{:?}", e.code())
-    } else {
-        format!("{:?}: {}", e.code(), e.message())
-    };
-    DiscoveryError::Io {
-        path: what.to_string(),
-        source: std::io::Error::other(text),
+fn etcd_err(key: &str, status: tonic::Status) -> DiscoveryError {
+    DiscoveryError::Etcd {
+        key: key.to_string(),
+        source: CallStatus(status),
     }
 }
 
@@ -83,11 +80,12 @@ impl EtcdDiscovery {
         let mut list = Vec::with_capacity(endpoints.len());
         let scheme = if tls.is_some() { "https" } else { "http" };
         for e in &endpoints {
-            let unsupported = |err: &dyn std::fmt::Display| {
-                DiscoveryError::Unsupported(format!("etcd endpoint {e}: {err}"))
+            let unusable = |err: Cause| DiscoveryError::Endpoint {
+                endpoint: e.clone(),
+                source: err,
             };
             let mut endpoint = Endpoint::from_shared(format!("{scheme}://{e}"))
-                .map_err(|err| unsupported(&err))?
+                .map_err(|err| unusable(err.into()))?
                 .connect_timeout(bound)
                 .timeout(bound)
                 .tcp_nodelay(true);
@@ -97,7 +95,7 @@ impl EtcdDiscovery {
                 let host = host.trim_start_matches('[').trim_end_matches(']');
                 endpoint = endpoint
                     .tls_config(tls.client_config(host))
-                    .map_err(|err| unsupported(&err))?;
+                    .map_err(|err| unusable(err.into()))?;
             }
             list.push(endpoint);
         }
@@ -247,10 +245,10 @@ impl Discovery for EtcdDiscovery {
                 id: 0,
             })
             .await
-            .map_err(|e| etcd_err(&key, &e))?
+            .map_err(|e| etcd_err(&key, e))?
             .into_inner();
         if !granted.error.is_empty() {
-            return Err(etcd_err(&key, &tonic::Status::unavailable(granted.error)));
+            return Err(etcd_err(&key, tonic::Status::unavailable(granted.error)));
         }
         let lease = granted.id;
         let put = PutRequest {
@@ -260,7 +258,7 @@ impl Discovery for EtcdDiscovery {
         };
         if let Err(e) = kv.put(put).await {
             let _ = leases.lease_revoke(LeaseRevokeRequest { id: lease }).await;
-            return Err(etcd_err(&key, &e));
+            return Err(etcd_err(&key, e));
         }
         let keepalive = CancellationToken::new();
         tokio::spawn(keep_alive(
@@ -301,7 +299,7 @@ impl Discovery for EtcdDiscovery {
         self.kv()
             .delete_range(delete)
             .await
-            .map_err(|e| etcd_err(&key, &e))?;
+            .map_err(|e| etcd_err(&key, e))?;
         match self
             .lease()
             .lease_revoke(LeaseRevokeRequest { id: lease })
@@ -310,12 +308,18 @@ impl Discovery for EtcdDiscovery {
             Ok(_) => {}
             // Already expired: nothing left to revoke.
             Err(e) if e.message().contains("not found") => {}
-            Err(e) => return Err(etcd_err(&key, &e)),
+            Err(e) => return Err(etcd_err(&key, e)),
         }
         self.active().take();
         Ok(())
     }
 
+    fn location(&self, record: &Record) -> String {
+        format!("etcd://{}/{}", self.endpoints.join(","), record.key())
+    }
+}
+
+impl ListRecords for EtcdDiscovery {
     async fn list(&self) -> Result<Vec<ListedRecord>, DiscoveryError> {
         let range = RangeRequest {
             key: PREFIX.as_bytes().to_vec(),
@@ -326,7 +330,7 @@ impl Discovery for EtcdDiscovery {
             .kv()
             .range(range)
             .await
-            .map_err(|e| etcd_err(PREFIX, &e))?
+            .map_err(|e| etcd_err(PREFIX, e))?
             .into_inner();
         let mut out: Vec<ListedRecord> = response
             .kvs
@@ -338,10 +342,6 @@ impl Discovery for EtcdDiscovery {
             .collect();
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
-    }
-
-    fn location(&self, record: &Record) -> String {
-        format!("etcd://{}/{}", self.endpoints.join(","), record.key())
     }
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Discovery, DiscoveryError, Listed, ListedRecord, Record};
+use super::{Discovery, DiscoveryError, ListRecords, Listed, ListedRecord, Record};
 
 /// A record file larger than this is not read by `instances` (records are a
 /// few hundred bytes; a huge file is not one of ours).
@@ -57,7 +57,7 @@ impl FileDiscovery {
 }
 
 fn io_err(path: &Path, source: std::io::Error) -> DiscoveryError {
-    DiscoveryError::Io {
+    DiscoveryError::File {
         path: path.display().to_string(),
         source,
     }
@@ -264,16 +264,18 @@ impl Discovery for FileDiscovery {
         removed.map_err(|e| io_err(&path, e))
     }
 
+    fn location(&self, record: &Record) -> String {
+        self.path_of(record).display().to_string()
+    }
+}
+
+impl ListRecords for FileDiscovery {
     async fn list(&self) -> Result<Vec<ListedRecord>, DiscoveryError> {
         let root = self.root.clone();
         let mut out = Vec::new();
         collect(&root, &root, &mut out).map_err(|e| io_err(&root, e))?;
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
-    }
-
-    fn location(&self, record: &Record) -> String {
-        self.path_of(record).display().to_string()
     }
 }
 
@@ -298,7 +300,8 @@ mod tests {
         std::os::unix::fs::symlink(&elsewhere, root.join("v1")).expect("symlink");
         let target = root.join("v1/instances/a/b/c/1.json");
         let err = write_atomically(&root, &target, b"{}").expect_err("refused");
-        assert!(err.to_string().contains("symbolic link"), "{err}");
+        let line = crate::report::error_chain(&err);
+        assert!(line.contains("symbolic link"), "{line}");
         assert_eq!(
             std::fs::read_dir(&elsewhere)
                 .map(|d| d.count())

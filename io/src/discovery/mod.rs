@@ -182,29 +182,96 @@ impl Record {
     }
 }
 
-/// Why a discovery operation failed.
+/// A cause kept whole, whatever its type (another system's error).
+pub type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a discovery operation failed, by what went wrong. Each variant names
+/// what was being done and keeps its cause as the error's source: the log
+/// line renders the whole chain (`report::error_chain`), so no variant
+/// repeats its cause in its own text.
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
-    /// The store could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// What was being written or removed.
+    /// The file store could not be read or written at `path`.
+    #[error("{path}")]
+    File {
+        /// The file or directory.
         path: String,
         /// The OS error.
         #[source]
         source: std::io::Error,
     },
+    /// An etcd call about `key` (or a prefix) failed or got no answer.
+    #[error("{key}")]
+    Etcd {
+        /// The key or prefix the call was about.
+        key: String,
+        /// etcd's answer, or the transport's failure.
+        #[source]
+        source: CallStatus,
+    },
+    /// An etcd endpoint, as given, cannot be used (not a URI, or its TLS
+    /// settings refused).
+    #[error("etcd endpoint {endpoint}")]
+    Endpoint {
+        /// `host:port`, as given.
+        endpoint: String,
+        /// Why it cannot be used.
+        #[source]
+        source: Cause,
+    },
     /// The backend did not answer within the connect-attempt timeout.
     #[error("no answer within {0}")]
     Timeout(String),
-    /// The backend is not available in this build.
+    /// The system that hosts the worker (Dynamo, for `llm-sidecar-dynamo`)
+    /// failed at `what`.
+    #[error("{what}")]
+    Hosted {
+        /// What was being done.
+        what: String,
+        /// The hosting system's error.
+        #[source]
+        source: Cause,
+    },
+    /// A call to the engine that the record needs failed.
+    #[error("the engine's {call}")]
+    Engine {
+        /// The call, by its name.
+        call: &'static str,
+        /// The engine's answer.
+        #[source]
+        source: CallStatus,
+    },
+    /// The worker cannot be registered yet: what it waits for.
     #[error("{0}")]
-    Unsupported(String),
+    NotReady(&'static str),
     /// The record was not written: what it would carry is unusable (an
     /// engine's self-description out of bounds). Retried like any failed
     /// write, in case the engine is restarted with sane settings.
     #[error("{0}")]
     Refused(String),
+}
+
+/// A failed gRPC call's status, read as an operator reads it: its code and
+/// message (tonic's own rendering adds details and metadata that say
+/// nothing here); the transport's failure, when that was the cause, is its
+/// source.
+#[derive(Debug)]
+pub struct CallStatus(pub tonic::Status);
+
+impl std::fmt::Display for CallStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.message().is_empty() {
+            write!(f, "{:?}", self.0.code())
+        } else {
+            write!(f, "{:?}: {}", self.0.code(), self.0.message())
+        }
+    }
+}
+
+impl std::error::Error for CallStatus {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.0)
+    }
 }
 
 /// A discovery backend. Calls come one at a time, in order.
@@ -221,11 +288,16 @@ pub trait Discovery: Send + Sync + 'static {
     /// record that is not there succeeds.
     fn withdraw(&self) -> impl Future<Output = Result<(), DiscoveryError>> + Send;
 
-    /// Every record in the store, for `llm-sidecar instances`.
-    fn list(&self) -> impl Future<Output = Result<Vec<ListedRecord>, DiscoveryError>> + Send;
-
     /// Where the record lives, for operators (`/state`, logs).
     fn location(&self, record: &Record) -> String;
+}
+
+/// A store whose every record can be read back, for `llm-sidecar
+/// instances`. Apart from [`Discovery`]: the sidecar never lists, and a
+/// hosting system's discovery (Dynamo's) is listed with that system's tools.
+pub trait ListRecords {
+    /// Every record in the store.
+    fn list(&self) -> impl Future<Output = Result<Vec<ListedRecord>, DiscoveryError>> + Send;
 }
 
 /// One entry found in discovery: its key and what it held.
@@ -267,6 +339,54 @@ impl Listed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the operator reads: what was being done, then each cause once.
+    #[test]
+    fn an_error_reads_as_what_was_done_then_each_cause_once() {
+        use crate::report::error_chain;
+        let file = DiscoveryError::File {
+            path: "/d/v1/x.json".into(),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(error_chain(&file), "/d/v1/x.json: permission denied");
+        let etcd = DiscoveryError::Etcd {
+            key: "v1/instances/a".into(),
+            source: CallStatus(tonic::Status::unavailable("etcdserver: no leader")),
+        };
+        assert_eq!(
+            error_chain(&etcd),
+            "v1/instances/a: Unavailable: etcdserver: no leader"
+        );
+        let bare = DiscoveryError::Etcd {
+            key: "v1/instances/a".into(),
+            source: CallStatus(tonic::Status::new(tonic::Code::Unknown, "")),
+        };
+        assert_eq!(error_chain(&bare), "v1/instances/a: Unknown");
+        let engine = DiscoveryError::Engine {
+            call: "GetServerInfo",
+            source: CallStatus(tonic::Status::unimplemented("no such method")),
+        };
+        assert_eq!(
+            error_chain(&engine),
+            "the engine's GetServerInfo: Unimplemented: no such method"
+        );
+        let hosted = DiscoveryError::Hosted {
+            what: "Dynamo discovery".into(),
+            source: "Dynamo's worker failed: bind: address in use".into(),
+        };
+        assert_eq!(
+            error_chain(&hosted),
+            "Dynamo discovery: Dynamo's worker failed: bind: address in use"
+        );
+        // The cause is kept, not flattened: a caller can still ask what it was.
+        let std::io::ErrorKind::PermissionDenied = std::error::Error::source(&file)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .map(std::io::Error::kind)
+            .expect("the OS error")
+        else {
+            panic!("the OS error's kind is kept");
+        };
+    }
 
     #[test]
     fn uris_parse_or_explain() {
