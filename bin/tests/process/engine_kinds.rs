@@ -164,8 +164,7 @@ fn auto_finds_trtllm_and_keeps_todays_record() {
             .is_some_and(|i| i.starts_with("trtllm 1.0.0-mock backend=pytorch")),
         "{r}"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -189,8 +188,7 @@ fn auto_finds_openengine_and_registers_its_instance_id_and_served_model() {
     assert_eq!(r["engine"]["version"], "1.3.0rc9");
     assert_eq!(r["model"]["name"], "acme/oe-8b");
     assert_eq!(r["model"]["max_seq_len"], 8192);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -230,8 +228,7 @@ fn vllm_with_its_port_closed_while_loading_is_waited_for_then_registered() {
     assert_eq!(r["model"]["name"], "acme/v-8b");
     assert_eq!(r["model"]["max_input_len"], 4096);
     assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -271,8 +268,7 @@ fn sglang_warm_up_is_not_a_loss_and_start_time_is_its_identity() {
         "start_time in whole seconds: {identity}"
     );
     assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -431,8 +427,7 @@ fn openengine_connection_cut_is_reconnected_not_a_loss() {
         rt().block_on(generate(OPENENGINE, sidecar.listen, "after-cut", 4)),
         Ok(4)
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 // ---- vLLM --------------------------------------------------------------------
@@ -456,8 +451,7 @@ fn vllm_single_message_watch_is_not_a_loss_over_seconds_of_serving() {
         mock.stats()["load_calls"].as_u64().unwrap_or(0) > loads_before,
         "GetLoads keeps being asked"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -702,8 +696,7 @@ fn auto_finds_vllm_native_and_registers_its_instance_id() {
     // Its Watch streams (tonic-health): seconds of serving are no loss.
     std::thread::sleep(Duration::from_secs(2));
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -734,8 +727,7 @@ fn auto_finds_sglang_native_and_reads_its_json_info() {
         "{}",
         sidecar.proc.log_text()
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -786,8 +778,7 @@ fn sglang_native_pause_is_said_and_no_loss() {
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
     assert_eq!(sidecar.records().len(), 1, "still registered");
     assert_eq!(sidecar.proc.count_lines(" engine lost: "), 0);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// A native server older than WatchEngineState: its HealthCheck is polled and

@@ -175,8 +175,7 @@ fn engine_without_health_service_warns_once_and_keeps_serving() {
         "exactly one warning; log:\n{}",
         sidecar.proc.log_text()
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(sidecar.records().is_empty());
 }
 
@@ -254,8 +253,7 @@ fn sigterm_before_the_engine_came_up_exits_0_with_nothing_registered() {
     let dir = TempDir::new("early-term");
     let mut sidecar = Sidecar::start(&dir.0, free_addr(), &[]);
     sidecar.proc.wait_for_line("not ready yet", HANG);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(sidecar.records().is_empty());
     assert!(sidecar.proc.line_index("nothing was served").is_some());
 }
@@ -390,8 +388,7 @@ fn not_found_on_the_watch_warns_once_and_keeps_serving() {
     );
     assert_eq!(sidecar.records().len(), 1, "still registered");
     assert_eq!(sidecar.proc.count_lines(" WARN "), 1, "exactly one warning");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -404,8 +401,7 @@ fn inference_going_not_serving_changes_nothing() {
     assert_eq!(sidecar.records().len(), 1, "still registered");
     assert_eq!(http_get(sidecar.admin, "/ready").map(|r| r.0), Some(200));
     assert!(sidecar.proc.line_index(" WARN ").is_none());
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]

@@ -43,8 +43,7 @@ fn the_record_is_put_with_a_lease_of_the_configured_ttl() {
     // Kept alive: after two TTLs the same lease still holds the key.
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(etcd.get(&key).map(|e| e.lease), Some(entry.lease));
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -182,8 +181,7 @@ fn an_etcd_outage_longer_than_the_ttl_is_survived_with_a_fresh_lease() {
         -1,
         "the old lease is gone, never reused"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(etcd.get(&key).is_none());
     assert_eq!(
         etcd.lease_ttl(new_lease).0,
@@ -223,8 +221,7 @@ fn an_etcd_outage_shorter_than_the_ttl_keeps_the_lease_and_loses_no_call() {
             .is_none()
     );
     assert_eq!(sidecar.state()["state"], "Serving");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(etcd.get(&key).is_none());
     let ledger = load.stop();
     let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
@@ -244,8 +241,7 @@ fn etcd_down_at_startup_is_waited_for_until_the_deadline() {
     etcd.start();
     key_of(&etcd);
     sidecar.proc.wait_for_line("registered; serving", HANG);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 
     // Never started: exit 3 at the startup deadline.
     let never = Etcd::new(&dir.0);
@@ -301,7 +297,6 @@ fn a_key_deleted_by_someone_else_is_put_again() {
         Some(lease),
         "under a fresh lease"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(etcd.get(&key).is_none());
 }

@@ -44,8 +44,7 @@ fn engine_paused_shorter_than_the_loss_windows_loses_no_call() {
         "a 2 s pause is no loss"
     );
     assert_eq!(sidecar.records().len(), 1);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     let ledger = load.stop();
     let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
     println!("pause 2s: {report}");
@@ -96,8 +95,7 @@ fn silent_network_shorter_than_the_keepalive_window_is_ridden_out() {
     relay.set_silent(false);
     lets_load_run(1500);
     assert_eq!(sidecar.state()["state"], "Serving");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     let ledger = load.stop();
     let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
     println!("silent 3s: {report}");
@@ -158,8 +156,7 @@ fn engine_restarted_on_its_port_with_a_new_identity_is_registered_anew() {
     assert_ne!(new["instance_id"], old["instance_id"]);
     let load = Load::start(again.listen, Shape::mixed("restart-b"));
     lets_load_run(800);
-    again.proc.signal("TERM");
-    assert_eq!(again.proc.wait_exit(HANG), 0);
+    again.proc.stop_cleanly();
     ledger.merge(load.stop());
     accounts.push(again.account());
     let total = crate::support::account::SidecarAccount::sum(&accounts);
@@ -285,8 +282,7 @@ fn exit_under_a_crowd_of_callers_loses_no_call() {
         shape.concurrency = 64;
         let load = Load::start(sidecar.listen, shape);
         lets_load_run(700);
-        sidecar.proc.signal("TERM");
-        assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+        sidecar.proc.stop_cleanly();
         lets_load_run(200);
         let ledger = load.stop();
         let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
@@ -368,7 +364,6 @@ fn full_disk_delays_registration_and_leaves_no_partial_record() {
         record["transport"], "grpc",
         "a whole record, not a torn one"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(sidecar.records().is_empty());
 }

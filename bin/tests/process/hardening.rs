@@ -139,8 +139,7 @@ fn a_grpcio_caller_sees_the_engines_trailers_only_status_unchanged() {
             "HEADERS carried END_STREAM: no DATA frame follows a trailers-only answer"
         );
     });
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -231,8 +230,7 @@ fn a_flood_is_cut(name: &str, flood_frame: Vec<u8>) {
             .line_index("more control frames than its budget")
             .is_some()
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -280,8 +278,7 @@ fn a_connection_that_never_sends_the_preface_is_closed() {
         frames.iter().all(|f| f.kind == raw_h2::SETTINGS),
         "nothing but the server's own SETTINGS: {frames:?}"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -296,8 +293,7 @@ fn a_connection_without_calls_is_sent_goaway_after_the_idle_timeout() {
         frames.iter().any(|f| f.goaway_code() == Some(0)),
         "with a GOAWAY (NO_ERROR) first: {frames:?}"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -334,8 +330,7 @@ fn connections_past_the_cap_are_closed_and_the_rest_still_serve() {
     });
     assert!(answered.is_ok(), "{answered:?}");
     drop(held);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// systemd's default soft limit is 1,024 open files: silent connections used
@@ -389,8 +384,7 @@ fn a_low_open_file_limit_is_raised_and_silent_connections_starve_nothing() {
         proc.log_text()
     );
     drop(held);
-    proc.signal("TERM");
-    assert_eq!(proc.wait_exit(HANG), 0);
+    proc.stop_cleanly();
 }
 
 #[test]
@@ -432,8 +426,7 @@ fn signals_that_mean_nothing_are_ignored_and_said_once() {
             sidecar.proc.log_text()
         );
     }
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -477,8 +470,7 @@ fn an_engine_answer_with_oversized_headers_fails_that_call_only() {
         sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_failed\"}"),
         Some(0.0)
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -493,8 +485,7 @@ fn a_record_removed_while_serving_is_written_again() {
     assert!(warn.contains("WARN"), "{warn}");
     wait_until(HANG, "the record to be written again", || record.exists());
     assert_eq!(http_get(sidecar.admin, "/ready").map(|r| r.0), Some(200));
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(sidecar.records().is_empty());
 }
 
@@ -667,8 +658,7 @@ fn the_record_is_never_written_through_a_link_placed_in_the_registry() {
             .is_file(),
         "the record is a file of its own"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 9 of hardening round three: a request that is not a gRPC call
@@ -742,8 +732,7 @@ fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine() {
         before.map(|n| n + 1),
         "the engine saw only the one gRPC call"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 8 of hardening round three: idle connections, re-opened as soon as
@@ -819,8 +808,7 @@ fn an_admin_port_filled_with_idle_connections_still_answers_every_probe() {
         "probes of /live that failed, of 20 ({reopened} attack connections)"
     );
     assert!(sidecar.proc.running());
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     let _ = attacker.join();
 }
 
@@ -902,8 +890,7 @@ fn half_open_own_health_watches_are_capped_per_connection_and_time_out() {
         Some(96.0)
     );
     assert_eq!(sidecar.metric("llm_sidecar_own_health_streams "), Some(0.0));
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// An HPACK block for a gRPC POST to `path` (static-table references and
@@ -994,8 +981,7 @@ fn calls_ended_early_for_an_oversized_message_do_not_get_their_connection_cut() 
         sidecar.metric("llm_sidecar_calls_total{outcome=\"too_large\"}"),
         Some(f64::from(CALLS))
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 2 of hardening round three: with no engine connection open yet,
@@ -1030,8 +1016,7 @@ fn reset_calls_do_not_open_an_engine_connection_each() {
         "the engine accepted {} connections for {CALLS} reset calls",
         after - before
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 1 of hardening round three: rapid reset through the sidecar. While a
@@ -1158,8 +1143,7 @@ fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
             || sidecar.metric("llm_sidecar_engine_streams_awaiting_reset") == Some(0.0),
         );
     }
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 6 of hardening round three: half-open calls (HEADERS, then no body
@@ -1230,8 +1214,7 @@ fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
         Some(1),
         "the engine saw only the well-behaved call"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 6 again, one step further: calls that send HEADERS and the start of
@@ -1281,8 +1264,7 @@ fn a_request_message_stalled_half_sent_ends_after_the_arrival_wait() {
         sidecar.metric("llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"),
         Some(1.0)
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 4 of hardening round three: a caller that opens its windows wide
@@ -1328,8 +1310,7 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
         "the sidecar holds {grown_mib} MiB more for a caller that never reads"
     );
     drop(raw);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Two connections (from 127.0.0.2 and 127.0.0.3) that set their stream
@@ -1398,8 +1379,7 @@ fn zero_window_callers_of_token_streams_kill_no_engine_connection() {
     println!("{held} bytes of answers held for 400 callers that do not read");
     assert!(held > 0.0, "the stalled answers are held by the sidecar");
     drop(stalled);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 3 of hardening round three, with the window: 4,096 calls whose
@@ -1437,8 +1417,7 @@ fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
     // 4,096 × 64 KiB held, and h2's state for each stream.
     assert!(grown_mib < 512, "the sidecar holds {grown_mib} MiB more");
     drop(stalled);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// `calls` Generate calls of 1,000 tokens on each of `connections`
@@ -1520,8 +1499,7 @@ fn one_address_on_many_connections_holds_no_more_engine_streams_than_one_connect
         "a caller at another address is answered beside the holder's 160 calls"
     );
     drop(held);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// Fairness is not a ceiling (issue 38): on default flags, one address —
@@ -1543,8 +1521,7 @@ fn one_address_alone_gets_every_engine_stream_it_asks_for() {
         "one address alone has all 160 of its calls at the engine"
     );
     drop(held);
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// When engine streams run short, a hostile address that took all it could
@@ -1586,6 +1563,5 @@ fn when_engine_streams_run_short_each_address_gets_its_share_at_once() {
         30,
         "the second address's waiting calls go on as streams end"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }

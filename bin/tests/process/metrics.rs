@@ -103,6 +103,5 @@ fn metrics_after_a_fault_run_parse_in_both_formats_and_count_calls_withdrawal_an
         calls_ok,
         scraped["prometheus"]["samples"]["llm_sidecar_loss_to_withdraw_duration_seconds_sum{reason=liveness_status}"]
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }

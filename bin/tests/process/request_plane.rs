@@ -130,8 +130,7 @@ fn calls_through_the_sidecar_are_what_the_engine_sends() {
         );
         assert!(p.metadata().get("x-engine-error").is_some());
     });
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -159,8 +158,7 @@ fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
         sidecar.metric("llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"),
         Some(1.0)
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -195,8 +193,7 @@ fn a_caller_cancel_resets_the_engine_stream_at_once() {
             Some(1.0)
         );
     });
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -403,8 +400,7 @@ fn bad_input_fails_only_its_own_connection_or_call() {
         sidecar.proc.running(),
         "bad input never takes the sidecar down"
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// One HTTP/2 frame header: length, type, flags, stream id.
@@ -533,8 +529,7 @@ fn a_client_stream_reaches_the_engine_whole_and_its_answer_comes_back() {
     assert_eq!(summary.chunks, 200);
     assert_eq!(summary.bytes, bytes);
     assert_eq!(summary.checksum, checksum, "every byte, in order");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// A call streaming from an engine whose connection went silent (a partition,
@@ -613,8 +608,7 @@ fn a_call_on_a_silent_engine_connection_fails_within_the_keepalive_window() {
         sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_failed\"}"),
         Some(1.0)
     );
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// One gRPC Generate on a raw HTTP/2 client stream: the request sent, the
@@ -711,8 +705,7 @@ fn a_stream_its_caller_stops_reading_holds_up_no_other_call() {
         drop(stalled);
     });
     wait_for_engine_reset(&mock, "stalled");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 /// The names of a process's threads, from /proc.
@@ -749,8 +742,7 @@ fn two_connections_at_once(threads: &str) -> (u64, Vec<String>) {
     }
     let engine_connections = mock.stats()["connections"].as_u64().expect("connections") - before;
     let names = thread_names(sidecar.proc.pid());
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     (engine_connections, names)
 }
 
@@ -789,8 +781,7 @@ fn request_plane_threads_follow_the_cpus_the_process_may_use() {
             .iter()
             .filter(|n| n.starts_with("request-plane-"))
             .count();
-        sidecar.proc.signal("TERM");
-        assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+        sidecar.proc.stop_cleanly();
         threads
     };
     let dir = TempDir::new("threads-pinned");

@@ -117,8 +117,7 @@ fn mutual_tls_admits_only_callers_with_a_trusted_certificate() {
         .expect("tls");
     let load = Load::start_on(good, Shape::mixed("mtls"));
     std::thread::sleep(Duration::from_millis(1500));
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     let ledger = load.stop();
     let report = reconcile_settled(&ledger, &journal, &sidecar.account(), true);
     println!("mutual TLS: {report}");
@@ -315,7 +314,6 @@ fn etcd_over_tls_with_a_client_certificate() {
         .expect("instances");
     assert!(listed.status.success(), "{listed:?}");
     assert!(String::from_utf8_lossy(&listed.stdout).contains(&sidecar.listen.to_string()));
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(etcd.keys().is_empty(), "withdrawn over TLS");
 }

@@ -246,8 +246,7 @@ where
 
 /// The sidecar's SIGTERM: exit 0, its record gone.
 fn stop_cleanly(mut sidecar: Sidecar) {
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
     assert!(sidecar.records().is_empty());
 }
 
@@ -355,8 +354,7 @@ fn shipped_sglang_native_pause_is_said_and_no_loss() {
         .wait_for_line("the SGLang engine's generation continues", HANG);
     assert!(sidecar.proc.running(), "{}", sidecar.proc.log_text());
     assert_eq!(sidecar.records().len(), 1, "still registered");
-    sidecar.proc.signal("TERM");
-    assert_eq!(sidecar.proc.wait_exit(HANG), 0);
+    sidecar.proc.stop_cleanly();
 }
 
 #[test]

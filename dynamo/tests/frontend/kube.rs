@@ -343,8 +343,7 @@ fn in_kubernetes_a_container_restarted_in_its_pod_serves_again_under_the_same_id
         s.frontend.models().contains(&s.model)
     });
     assert_served_by(&s, kube, &pod, &engine);
-    worker.proc.signal("TERM");
-    assert_eq!(worker.proc.wait_exit(HANG), 0);
+    worker.proc.stop_cleanly();
 }
 
 /// A pod lost with its node (worker and engine killed: nothing withdrawn),
@@ -402,8 +401,7 @@ fn in_kubernetes_a_second_incarnation_of_a_pod_never_takes_the_first_ones_record
         "the collector leaves the object of a pod that exists"
     );
     assert_served_by(&s, kube, &second, &engine);
-    worker.proc.signal("TERM");
-    assert_eq!(worker.proc.wait_exit(HANG), 0);
+    worker.proc.stop_cleanly();
 }
 
 /// The kubelet starting both containers of `pod`: a new engine (another port

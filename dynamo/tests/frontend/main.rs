@@ -3,7 +3,9 @@
 //! discovery files or keys, the exit code, the loss line) and what the engine
 //! saw (the token ids, the aborts).
 
+// llm-sidecar's process tests' etcd, shared: this suite uses part of it.
 #[path = "../../../bin/tests/process/support/etcd.rs"]
+#[allow(dead_code)]
 mod etcd;
 mod hardening;
 mod kube;

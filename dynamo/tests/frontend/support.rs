@@ -2,7 +2,6 @@
 //! OpenEngine engine (`llm-sidecar mock-engine`), and `llm-sidecar-dynamo`
 //! between them, on loopback with file, etcd or Kubernetes (a fake API
 //! server) discovery in a temporary directory; and a plain HTTP/1.1 client for the frontend's OpenAI API.
-#![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -297,11 +296,7 @@ pub struct Frontend {
 }
 
 impl Frontend {
-    pub fn start(dir: &Path, store: &Store) -> Self {
-        Self::start_with(dir, store, &[])
-    }
-
-    /// As [`Frontend::start`], with more of the frontend's flags.
+    /// The frontend discovering through `store`, with these of its flags.
     pub fn start_with(dir: &Path, store: &Store, extra: &[&str]) -> Self {
         let http = free_addr();
         let mut args: Vec<String> = [

@@ -17,7 +17,6 @@
 //! | `reset` | the connection failed under the call at the sidecar's exit ("transport error") |
 //!
 //! Anything else is `unexplained` and fails the reconciliation.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

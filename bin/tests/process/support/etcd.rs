@@ -1,6 +1,5 @@
 //! A real etcd per test: its own free loopback ports and data directory,
 //! stopped (and restartable on the same data) from the test, read over gRPC.
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,6 @@
 //! Process-test support: the real `llm-sidecar` binary (sidecar and mock
 //! engine) on loopback, file discovery in a temporary directory, and what an
 //! operator would look at: the record, the exit code, the log lines.
-#![allow(dead_code)]
 
 mod proc;
 pub use proc::{HANG, Proc, TempDir, wait_until};

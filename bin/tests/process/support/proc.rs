@@ -1,7 +1,6 @@
 //! What both process-test crates share (`llm-sidecar`'s and
 //! `llm-sidecar-dynamo`'s, which includes this file by path): a child process
 //! with its log, a temporary directory, and waits that only stop a hang.
-#![allow(dead_code)]
 
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -109,6 +108,14 @@ impl Proc {
             }
             None => true,
         }
+    }
+
+    /// SIGTERM, and the exit 0 that follows it (the log in the failure
+    /// otherwise): a process stopped as its supervisor stops it.
+    pub fn stop_cleanly(&mut self) {
+        self.signal("TERM");
+        let code = self.wait_exit(HANG);
+        assert_eq!(code, 0, "exit after SIGTERM; log:\n{}", self.log_text());
     }
 
     /// Waits for the exit; returns the exit code.

@@ -2,7 +2,6 @@
 //! forwarding bytes in both directions without closing anything, as a
 //! partitioned network or a stuck middlebox would. It can also cut every open
 //! connection while the engine behind it runs on.
-#![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
