@@ -29,14 +29,35 @@ pub enum ConnectionEnd {
     KeepaliveTimeout,
 }
 
-/// Something that happened in the world, told to the core by the IO layer.
+/// Something that happened in the world, told to the core by the IO layer,
+/// grouped by where it comes from: the engine, discovery, the process's
+/// signals, the request plane. A state that cares for none of a source's news
+/// names the source once (`Event::Engine(_)`), and the match stays
+/// exhaustive.
 ///
 /// Time passing is not an event: it reaches the core through
 /// [`crate::Lifecycle::handle_timeout`] (and the time of every event).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Event {
+    /// The engine: ready at start-up, then what its monitors saw.
+    Engine(EngineEvent),
+    /// Discovery: the answers to the core's writes, and a record the store
+    /// dropped on its own.
+    Discovery(DiscoveryEvent),
+    /// SIGTERM or SIGINT.
+    ShutdownSignal,
+    /// The number of forwarded calls in flight changed.
+    InFlightChanged {
+        /// Calls admitted and not yet ended.
+        count: u64,
+    },
+}
+
+/// What the IO layer learnt of the engine.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EngineEvent {
     /// The engine answered its start-up calls.
-    EngineReady {
+    Ready {
         /// What the identity monitor compares: the engine's instance id where its
         /// API has one, else its self-description.
         identity: String,
@@ -48,6 +69,39 @@ pub enum Event {
         /// The grpc.health.v1 service followed for liveness, for warnings.
         liveness_service: String,
     },
+    /// Something the liveness Watch reported (see [`LivenessObservation`]).
+    Liveness(LivenessObservation),
+    /// The stale-load probe got a fresh answer from the engine.
+    ProbeSucceeded,
+    /// The stale-load probe got no fresh answer (error, timeout, or a non-fresh reply).
+    ProbeFailed {
+        /// Why the answer was not fresh.
+        error: String,
+    },
+    /// The engine does not serve its load RPC (UNIMPLEMENTED or NOT_FOUND: an
+    /// older servicer). The stale-load rule cannot apply to it; the IO layer
+    /// follows the engine's connection instead and reports its end as
+    /// [`EngineEvent::ConnectionLost`].
+    LoadUnsupported {
+        /// The RPC the engine does not serve ("GetLoads", "GetLoad", …).
+        rpc: String,
+    },
+    /// The probe re-read the engine's identity.
+    IdentityObserved {
+        /// The identity now answering on the engine's port.
+        identity: String,
+    },
+    /// The connection the monitors use closed or failed, for an engine whose
+    /// API has no identity of its own (that connection is its identity).
+    ConnectionLost {
+        /// How it ended.
+        end: ConnectionEnd,
+    },
+}
+
+/// What discovery answered, or did on its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum DiscoveryEvent {
     /// The oldest outstanding `Register` action succeeded.
     Registered,
     /// The oldest outstanding `Register` action failed; nothing was written.
@@ -67,41 +121,6 @@ pub enum Event {
     WithdrawFailed {
         /// What the discovery backend said.
         error: String,
-    },
-    /// Something the liveness Watch reported (see [`LivenessObservation`]).
-    Liveness(LivenessObservation),
-    /// The stale-load probe got a fresh answer from the engine.
-    ProbeSucceeded,
-    /// The stale-load probe got no fresh answer (error, timeout, or a non-fresh reply).
-    ProbeFailed {
-        /// Why the answer was not fresh.
-        error: String,
-    },
-    /// The engine does not serve its load RPC (UNIMPLEMENTED or NOT_FOUND: an
-    /// older servicer). The stale-load rule cannot apply to it; the IO layer
-    /// follows the engine's connection instead and reports its end as
-    /// [`Event::EngineConnectionLost`].
-    LoadUnsupported {
-        /// The RPC the engine does not serve ("GetLoads", "GetLoad", …).
-        rpc: String,
-    },
-    /// The probe re-read the engine's identity.
-    IdentityObserved {
-        /// The identity now answering on the engine's port.
-        identity: String,
-    },
-    /// SIGTERM or SIGINT.
-    ShutdownSignal,
-    /// The connection the monitors use closed or failed, for an engine whose
-    /// API has no identity of its own (that connection is its identity).
-    EngineConnectionLost {
-        /// How it ended.
-        end: ConnectionEnd,
-    },
-    /// The number of forwarded calls in flight changed.
-    InFlightChanged {
-        /// Calls admitted and not yet ended.
-        count: u64,
     },
 }
 

@@ -42,7 +42,7 @@ mod time;
 
 pub use action::{Action, Admission, ExitReason, Health, Level};
 pub use config::{Config, OnEngineLoss};
-pub use event::{ConnectionEnd, Event, LivenessObservation};
+pub use event::{ConnectionEnd, DiscoveryEvent, EngineEvent, Event, LivenessObservation};
 pub use lifecycle::{Lifecycle, Phase};
 pub use loss::LossReason;
 pub use machine::NOT_REGISTERED;

@@ -17,7 +17,7 @@ use statig::prelude::*;
 
 use crate::action::{Action, Admission, ExitReason, Health, Level};
 use crate::config::{Config, OnEngineLoss};
-use crate::event::Event;
+use crate::event::{DiscoveryEvent, EngineEvent, Event};
 use crate::liveness::{self, Verdict, WatchPhase};
 use crate::loss::LossReason;
 use crate::time::{HumanDuration, Time};
@@ -303,19 +303,19 @@ impl Worker {
     fn book_discovery(&mut self, step: &mut Step, input: &Input) {
         let Input::Event(event) = input else { return };
         match event {
-            Event::Registered => {
+            Event::Discovery(DiscoveryEvent::Registered) => {
                 if self.book.answer(Op::Register) {
                     self.book.maybe_present = true;
                     self.unregistered = None;
                     self.discovery_recovered(step);
                 }
             }
-            Event::RegistrationFailed { error } => {
+            Event::Discovery(DiscoveryEvent::RegistrationFailed { error }) => {
                 if self.book.answer(Op::Register) && !self.book.withdraw_requested {
                     self.discovery_failed(step, "registering", error);
                 }
             }
-            Event::Withdrawn => {
+            Event::Discovery(DiscoveryEvent::Withdrawn) => {
                 if self.book.answer(Op::Withdraw) {
                     self.book.maybe_present = false;
                     self.discovery_recovered(step);
@@ -325,23 +325,15 @@ impl Worker {
                     );
                 }
             }
-            Event::WithdrawFailed { error } => {
+            Event::Discovery(DiscoveryEvent::WithdrawFailed { error }) => {
                 if self.book.answer(Op::Withdraw) {
                     self.discovery_failed(step, "withdrawing", error);
                 }
             }
-            Event::RegistrationLost { .. } => {
+            Event::Discovery(DiscoveryEvent::RegistrationLost { .. }) => {
                 self.book.maybe_present = false;
             }
-            Event::EngineReady { .. }
-            | Event::Liveness(_)
-            | Event::ProbeSucceeded
-            | Event::ProbeFailed { .. }
-            | Event::LoadUnsupported { .. }
-            | Event::IdentityObserved { .. }
-            | Event::EngineConnectionLost { .. }
-            | Event::ShutdownSignal
-            | Event::InFlightChanged { .. } => {}
+            Event::Engine(_) | Event::ShutdownSignal | Event::InFlightChanged { .. } => {}
         }
     }
 
@@ -411,7 +403,7 @@ impl Worker {
             Input::Event(event) => event,
         };
         match event {
-            Event::Liveness(observation) => {
+            Event::Engine(EngineEvent::Liveness(observation)) => {
                 let (phase, verdict) =
                     liveness::interpret(self.watch, observation, &self.liveness_service);
                 self.watch = phase;
@@ -436,7 +428,7 @@ impl Worker {
                     Verdict::Loss(reason) => Some(reason),
                 }
             }
-            Event::ProbeSucceeded => {
+            Event::Engine(EngineEvent::ProbeSucceeded) => {
                 self.last_fresh = step.now;
                 if self.probe_failing {
                     self.probe_failing = false;
@@ -447,7 +439,7 @@ impl Worker {
                 }
                 None
             }
-            Event::ProbeFailed { error } => {
+            Event::Engine(EngineEvent::ProbeFailed { error }) => {
                 if !self.probe_failing && !self.load_unsupported {
                     self.probe_failing = true;
                     step.log(
@@ -461,7 +453,7 @@ impl Worker {
                 }
                 None
             }
-            Event::LoadUnsupported { rpc } => {
+            Event::Engine(EngineEvent::LoadUnsupported { rpc }) => {
                 if !self.load_unsupported {
                     self.load_unsupported = true;
                     self.probe_failing = false;
@@ -476,22 +468,18 @@ impl Worker {
                 }
                 None
             }
-            Event::IdentityObserved { identity } => match &self.identity {
+            Event::Engine(EngineEvent::IdentityObserved { identity }) => match &self.identity {
                 Some(old) if old != identity => Some(LossReason::IdentityChanged {
                     old: old.clone(),
                     new: identity.clone(),
                 }),
                 Some(_) | None => None,
             },
-            Event::EngineConnectionLost { end } => {
+            Event::Engine(EngineEvent::ConnectionLost { end }) => {
                 Some(LossReason::EngineConnectionLost { end: end.clone() })
             }
-            Event::EngineReady { .. }
-            | Event::Registered
-            | Event::RegistrationFailed { .. }
-            | Event::RegistrationLost { .. }
-            | Event::Withdrawn
-            | Event::WithdrawFailed { .. }
+            Event::Engine(EngineEvent::Ready { .. })
+            | Event::Discovery(_)
             | Event::ShutdownSignal
             | Event::InFlightChanged { .. } => None,
         }
@@ -507,21 +495,7 @@ impl Worker {
         match input {
             Input::Event(Event::InFlightChanged { count }) => self.in_flight = *count,
             Input::Timer => self.retry_withdraw_if_due(step),
-            Input::Event(
-                Event::EngineReady { .. }
-                | Event::Registered
-                | Event::RegistrationFailed { .. }
-                | Event::RegistrationLost { .. }
-                | Event::Withdrawn
-                | Event::WithdrawFailed { .. }
-                | Event::Liveness(_)
-                | Event::ProbeSucceeded
-                | Event::ProbeFailed { .. }
-                | Event::LoadUnsupported { .. }
-                | Event::IdentityObserved { .. }
-                | Event::EngineConnectionLost { .. }
-                | Event::ShutdownSignal,
-            ) => {}
+            Input::Event(Event::Engine(_) | Event::Discovery(_) | Event::ShutdownSignal) => {}
         }
         self.withdraw_again_if_registered(step);
         if drain_deadline <= now {
@@ -599,12 +573,12 @@ impl Worker {
             Input::Event(happened) => happened,
         };
         match happened {
-            Event::EngineReady {
+            Event::Engine(EngineEvent::Ready {
                 identity,
                 name,
                 instance,
                 liveness_service,
-            } => {
+            }) => {
                 if self.identity.is_none() {
                     self.identity = Some(identity.clone());
                     self.engine_name = name.clone();
@@ -624,7 +598,7 @@ impl Worker {
                 }
                 Handled
             }
-            Event::Registered => {
+            Event::Discovery(DiscoveryEvent::Registered) => {
                 if self.book.maybe_present {
                     Transition(State::serving())
                 } else {
@@ -642,16 +616,9 @@ impl Worker {
                 self.in_flight = *count;
                 Handled
             }
-            Event::RegistrationFailed { .. }
-            | Event::RegistrationLost { .. }
-            | Event::Withdrawn
-            | Event::WithdrawFailed { .. }
-            | Event::Liveness(_)
-            | Event::ProbeSucceeded
-            | Event::ProbeFailed { .. }
-            | Event::LoadUnsupported { .. }
-            | Event::IdentityObserved { .. }
-            | Event::EngineConnectionLost { .. } => Handled,
+            // The monitors' news: none runs before Serving. Discovery's other
+            // answers: booked above.
+            Event::Engine(_) | Event::Discovery(_) => Handled,
         }
     }
 
@@ -679,8 +646,8 @@ impl Worker {
             Input::Event(happened) => happened,
         };
         match happened {
-            Event::Registered => Handled,
-            Event::RegistrationLost { cause } => {
+            Event::Discovery(DiscoveryEvent::Registered) => Handled,
+            Event::Discovery(DiscoveryEvent::RegistrationLost { cause }) => {
                 if self.unregistered.is_none() {
                     self.unregistered = Some((now, cause.clone()));
                 }
@@ -708,16 +675,9 @@ impl Worker {
                 self.in_flight = *count;
                 Handled
             }
-            Event::EngineReady { .. }
-            | Event::RegistrationFailed { .. }
-            | Event::Withdrawn
-            | Event::WithdrawFailed { .. }
-            | Event::Liveness(_)
-            | Event::ProbeSucceeded
-            | Event::ProbeFailed { .. }
-            | Event::LoadUnsupported { .. }
-            | Event::IdentityObserved { .. }
-            | Event::EngineConnectionLost { .. } => Handled,
+            // The engine's news went to `observe_engine`, discovery's
+            // answers to `book_discovery`, above.
+            Event::Engine(_) | Event::Discovery(_) => Handled,
         }
     }
 
@@ -782,19 +742,7 @@ impl Worker {
             }
             Input::Timer
             | Input::Event(
-                Event::EngineReady { .. }
-                | Event::Registered
-                | Event::RegistrationFailed { .. }
-                | Event::RegistrationLost { .. }
-                | Event::Withdrawn
-                | Event::WithdrawFailed { .. }
-                | Event::Liveness(_)
-                | Event::ProbeSucceeded
-                | Event::ProbeFailed { .. }
-                | Event::LoadUnsupported { .. }
-                | Event::IdentityObserved { .. }
-                | Event::EngineConnectionLost { .. }
-                | Event::InFlightChanged { .. },
+                Event::Engine(_) | Event::Discovery(_) | Event::InFlightChanged { .. },
             ) => {}
         }
         if self.drain_step(context, *drain_deadline, event) {
@@ -830,19 +778,7 @@ impl Worker {
             }
             Input::Timer
             | Input::Event(
-                Event::EngineReady { .. }
-                | Event::Registered
-                | Event::RegistrationFailed { .. }
-                | Event::RegistrationLost { .. }
-                | Event::Withdrawn
-                | Event::WithdrawFailed { .. }
-                | Event::Liveness(_)
-                | Event::ProbeSucceeded
-                | Event::ProbeFailed { .. }
-                | Event::LoadUnsupported { .. }
-                | Event::IdentityObserved { .. }
-                | Event::EngineConnectionLost { .. }
-                | Event::InFlightChanged { .. },
+                Event::Engine(_) | Event::Discovery(_) | Event::InFlightChanged { .. },
             ) => {}
         }
         if !self.drain_step(context, *drain_deadline, event) {
@@ -1022,14 +958,7 @@ impl Worker {
                 );
                 Transition(State::exited(abort.cause.clone()))
             }
-            Input::Timer
-            | Input::Event(
-                Event::Registered
-                | Event::RegistrationFailed { .. }
-                | Event::Withdrawn
-                | Event::WithdrawFailed { .. }
-                | Event::RegistrationLost { .. },
-            ) => {
+            Input::Timer | Input::Event(Event::Discovery(_)) => {
                 self.retry_withdraw_if_due(context);
                 self.withdraw_again_if_registered(context);
                 if self.book.settled() {
@@ -1039,15 +968,7 @@ impl Worker {
                 }
             }
             Input::Event(
-                Event::EngineReady { .. }
-                | Event::Liveness(_)
-                | Event::ProbeSucceeded
-                | Event::ProbeFailed { .. }
-                | Event::LoadUnsupported { .. }
-                | Event::IdentityObserved { .. }
-                | Event::EngineConnectionLost { .. }
-                | Event::ShutdownSignal
-                | Event::InFlightChanged { .. },
+                Event::Engine(_) | Event::ShutdownSignal | Event::InFlightChanged { .. },
             ) => Handled,
         }
     }

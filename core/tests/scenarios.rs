@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use llm_sidecar_core::{
-    Action, Admission, Config, ConnectionEnd, Event, ExitReason, Health, Level, Lifecycle,
-    LivenessObservation, OnEngineLoss, Phase, Time,
+    Action, Admission, Config, ConnectionEnd, DiscoveryEvent, EngineEvent, Event, ExitReason,
+    Health, Level, Lifecycle, LivenessObservation, OnEngineLoss, Phase, Time,
 };
 
 fn config() -> Config {
@@ -55,14 +55,14 @@ impl Driver {
     fn serving(&mut self) {
         self.feed(
             secs(1),
-            Event::EngineReady {
+            Event::Engine(EngineEvent::Ready {
                 identity: "trtllm 1.0".into(),
                 name: "TensorRT-LLM".into(),
                 instance: None,
                 liveness_service: "liveness".into(),
-            },
+            }),
         );
-        self.feed(secs(1), Event::Registered);
+        self.feed(secs(1), Event::Discovery(DiscoveryEvent::Registered));
         assert_eq!(self.lc.phase(), Phase::Serving);
     }
 }
@@ -90,16 +90,16 @@ fn engine_ready_then_registered_starts_serving() {
     let mut d = Driver::new();
     let a = d.feed(
         secs(1),
-        Event::EngineReady {
+        Event::Engine(EngineEvent::Ready {
             identity: "id".into(),
             name: "TensorRT-LLM".into(),
             instance: None,
             liveness_service: "liveness".into(),
-        },
+        }),
     );
     assert_eq!(without_logs(&a), vec![Action::Register]);
     assert_eq!(d.lc.phase(), Phase::Starting);
-    let a = d.feed(secs(1), Event::Registered);
+    let a = d.feed(secs(1), Event::Discovery(DiscoveryEvent::Registered));
     assert_eq!(
         without_logs(&a),
         vec![
@@ -115,7 +115,10 @@ fn engine_ready_then_registered_starts_serving() {
 fn liveness_not_serving_withdraws_at_once_and_exits_1_after_the_withdrawal() {
     let mut d = Driver::new();
     d.serving();
-    let a = d.feed(secs(2), Event::Liveness(LivenessObservation::Status(2)));
+    let a = d.feed(
+        secs(2),
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::Status(2))),
+    );
     assert_eq!(
         lines(&a, Level::Error),
         vec!["TensorRT-LLM engine lost: liveness reported NOT_SERVING (instance abc)"]
@@ -130,7 +133,7 @@ fn liveness_not_serving_withdraws_at_once_and_exits_1_after_the_withdrawal() {
         ]
     );
     assert_eq!(d.lc.phase(), Phase::Lost);
-    let a = d.feed(secs(2), Event::Withdrawn);
+    let a = d.feed(secs(2), Event::Discovery(DiscoveryEvent::Withdrawn));
     assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::EngineLost)]);
 }
 
@@ -141,7 +144,10 @@ fn with_rejoin_a_withdrawn_and_drained_loss_starts_up_again_as_a_new_instance() 
         ..config()
     });
     d.serving();
-    let a = d.feed(secs(2), Event::Liveness(LivenessObservation::StreamEnded));
+    let a = d.feed(
+        secs(2),
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::StreamEnded)),
+    );
     assert_eq!(d.lc.phase(), Phase::Lost);
     assert!(
         lines(&a, Level::Info)
@@ -149,7 +155,7 @@ fn with_rejoin_a_withdrawn_and_drained_loss_starts_up_again_as_a_new_instance() 
             .any(|l| l.ends_with("then waiting for the engine again (--on-engine-loss rejoin)")),
         "{a:?}"
     );
-    let a = d.feed(secs(3), Event::Withdrawn);
+    let a = d.feed(secs(3), Event::Discovery(DiscoveryEvent::Withdrawn));
     let next = d.lc.instance_id();
     assert_ne!(next, 0xabc);
     assert_eq!(without_logs(&a), vec![Action::Rejoin { instance_id: next }]);
@@ -169,18 +175,21 @@ fn with_rejoin_a_withdrawn_and_drained_loss_starts_up_again_as_a_new_instance() 
     assert_eq!(d.lc.poll_timeout(), Some((secs(63), "startup deadline")));
     let a = d.feed(
         secs(10),
-        Event::EngineReady {
+        Event::Engine(EngineEvent::Ready {
             identity: "trtllm 1.0".into(),
             name: "TensorRT-LLM".into(),
             instance: None,
             liveness_service: "liveness".into(),
-        },
+        }),
     );
     assert_eq!(without_logs(&a), vec![Action::Register]);
-    d.feed(secs(10), Event::Registered);
+    d.feed(secs(10), Event::Discovery(DiscoveryEvent::Registered));
     assert_eq!(d.lc.phase(), Phase::Serving);
     // The second loss names the second instance.
-    let a = d.feed(secs(11), Event::Liveness(LivenessObservation::Status(2)));
+    let a = d.feed(
+        secs(11),
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::Status(2))),
+    );
     assert_eq!(
         lines(&a, Level::Error),
         vec![format!(
@@ -196,7 +205,10 @@ fn with_rejoin_a_signal_during_the_drain_still_exits_1() {
         ..config()
     });
     d.serving();
-    d.feed(secs(2), Event::Liveness(LivenessObservation::StreamEnded));
+    d.feed(
+        secs(2),
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::StreamEnded)),
+    );
     d.feed(secs(2), Event::InFlightChanged { count: 1 });
     let a = d.feed(secs(3), Event::ShutdownSignal);
     assert_eq!(
@@ -206,7 +218,7 @@ fn with_rejoin_a_signal_during_the_drain_still_exits_1() {
              instead of waiting for the engine again"
         ]
     );
-    d.feed(secs(3), Event::Withdrawn);
+    d.feed(secs(3), Event::Discovery(DiscoveryEvent::Withdrawn));
     let a = d.feed(secs(4), Event::InFlightChanged { count: 0 });
     assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::EngineLost)]);
 }
@@ -218,12 +230,15 @@ fn with_rejoin_an_unconfirmed_withdrawal_exits_1_rather_than_register_beside_it(
         ..config()
     });
     d.serving();
-    d.feed(secs(2), Event::Liveness(LivenessObservation::StreamEnded));
     d.feed(
         secs(2),
-        Event::WithdrawFailed {
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::StreamEnded)),
+    );
+    d.feed(
+        secs(2),
+        Event::Discovery(DiscoveryEvent::WithdrawFailed {
             error: "etcd unreachable".into(),
-        },
+        }),
     );
     let a = d.tick(secs(22));
     assert!(
@@ -240,8 +255,11 @@ fn lost_waits_for_in_flight_calls_then_cancels_them_at_the_drain_deadline() {
     let mut d = Driver::new();
     d.serving();
     d.feed(secs(2), Event::InFlightChanged { count: 3 });
-    d.feed(secs(3), Event::Liveness(LivenessObservation::StreamEnded));
-    d.feed(secs(3), Event::Withdrawn);
+    d.feed(
+        secs(3),
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::StreamEnded)),
+    );
+    d.feed(secs(3), Event::Discovery(DiscoveryEvent::Withdrawn));
     assert_eq!(d.lc.phase(), Phase::Lost);
     assert_eq!(d.lc.poll_timeout(), Some((secs(23), "drain deadline")));
     assert!(d.tick(secs(22)).is_empty(), "early timer is a no-op");
@@ -263,7 +281,7 @@ fn sigterm_withdraws_keeps_admitting_for_the_grace_then_drains_and_exits_0() {
         vec![Action::SetHealth(Health::NotServing), Action::Withdraw]
     );
     assert_eq!(d.lc.admission(), Admission::Open);
-    d.feed(secs(10), Event::Withdrawn);
+    d.feed(secs(10), Event::Discovery(DiscoveryEvent::Withdrawn));
     assert_eq!(d.lc.poll_timeout(), Some((secs(15), "router grace")));
     let a = d.tick(secs(15));
     assert_eq!(
@@ -279,7 +297,10 @@ fn a_loss_during_the_drain_is_a_warning_and_the_exit_code_stays_0() {
     let mut d = Driver::new();
     d.serving();
     d.feed(secs(10), Event::ShutdownSignal);
-    let a = d.feed(secs(11), Event::Liveness(LivenessObservation::Status(2)));
+    let a = d.feed(
+        secs(11),
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::Status(2))),
+    );
     assert_eq!(
         lines(&a, Level::Warn),
         vec![
@@ -296,7 +317,7 @@ fn a_loss_during_the_drain_is_a_warning_and_the_exit_code_stays_0() {
         d.lc.poll_timeout().map(|(_, why)| why),
         Some("drain deadline")
     );
-    let a = d.feed(secs(11), Event::Withdrawn);
+    let a = d.feed(secs(11), Event::Discovery(DiscoveryEvent::Withdrawn));
     assert_eq!(
         without_logs(&a),
         vec![Action::Exit(ExitReason::Clean)],
@@ -316,17 +337,19 @@ fn shutdown_while_the_first_register_is_in_flight_withdraws_before_exiting() {
     let mut d = Driver::new();
     d.feed(
         secs(1),
-        Event::EngineReady {
+        Event::Engine(EngineEvent::Ready {
             identity: "id".into(),
             name: "TensorRT-LLM".into(),
             instance: None,
             liveness_service: "liveness".into(),
-        },
+        }),
     );
     let a = d.feed(secs(1), Event::ShutdownSignal);
     assert_eq!(without_logs(&a), vec![Action::Withdraw]);
-    assert!(without_logs(&d.feed(secs(1), Event::Registered)).is_empty());
-    let a = d.feed(secs(1), Event::Withdrawn);
+    assert!(
+        without_logs(&d.feed(secs(1), Event::Discovery(DiscoveryEvent::Registered))).is_empty()
+    );
+    let a = d.feed(secs(1), Event::Discovery(DiscoveryEvent::Withdrawn));
     assert_eq!(without_logs(&a), vec![Action::Exit(ExitReason::Clean)]);
 }
 
@@ -350,22 +373,22 @@ fn failed_registration_is_retried_every_retry_interval_until_the_deadline() {
     let mut d = Driver::new();
     d.feed(
         secs(1),
-        Event::EngineReady {
+        Event::Engine(EngineEvent::Ready {
             identity: "id".into(),
             name: "TensorRT-LLM".into(),
             instance: None,
             liveness_service: "liveness".into(),
-        },
+        }),
     );
     d.feed(
         secs(1),
-        Event::RegistrationFailed {
+        Event::Discovery(DiscoveryEvent::RegistrationFailed {
             error: "read-only".into(),
-        },
+        }),
     );
     assert_eq!(d.lc.poll_timeout(), Some((secs(2), "discovery retry")));
     assert_eq!(without_logs(&d.tick(secs(2))), vec![Action::Register]);
-    d.feed(secs(2), Event::Registered);
+    d.feed(secs(2), Event::Discovery(DiscoveryEvent::Registered));
     assert_eq!(d.lc.phase(), Phase::Serving);
 }
 
@@ -373,21 +396,21 @@ fn failed_registration_is_retried_every_retry_interval_until_the_deadline() {
 fn stale_load_is_a_loss_after_the_window() {
     let mut d = Driver::new();
     d.serving();
-    d.feed(secs(5), Event::ProbeSucceeded);
+    d.feed(secs(5), Event::Engine(EngineEvent::ProbeSucceeded));
     let a = d.feed(
         secs(6),
-        Event::ProbeFailed {
+        Event::Engine(EngineEvent::ProbeFailed {
             error: "stalled".into(),
-        },
+        }),
     );
     assert_eq!(lines(&a, Level::Warn).len(), 1);
     assert!(
         lines(
             &d.feed(
                 secs(7),
-                Event::ProbeFailed {
+                Event::Engine(EngineEvent::ProbeFailed {
                     error: "stalled".into()
-                }
+                })
             ),
             Level::Warn
         )
@@ -407,9 +430,9 @@ fn an_engine_without_a_load_rpc_warns_once_has_no_stale_window_and_is_lost_by_it
     d.serving();
     let a = d.feed(
         secs(2),
-        Event::LoadUnsupported {
+        Event::Engine(EngineEvent::LoadUnsupported {
             rpc: "GetLoads".into(),
-        },
+        }),
     );
     assert_eq!(
         lines(&a, Level::Warn),
@@ -421,9 +444,9 @@ fn an_engine_without_a_load_rpc_warns_once_has_no_stale_window_and_is_lost_by_it
     assert!(
         d.feed(
             secs(3),
-            Event::LoadUnsupported {
+            Event::Engine(EngineEvent::LoadUnsupported {
                 rpc: "GetLoads".into()
-            }
+            })
         )
         .is_empty()
     );
@@ -432,9 +455,9 @@ fn an_engine_without_a_load_rpc_warns_once_has_no_stale_window_and_is_lost_by_it
     assert_eq!(d.lc.phase(), Phase::Serving);
     let a = d.feed(
         secs(3601),
-        Event::EngineConnectionLost {
+        Event::Engine(EngineEvent::ConnectionLost {
             end: ConnectionEnd::Reset,
-        },
+        }),
     );
     assert_eq!(d.lc.phase(), Phase::Lost);
     assert_eq!(lines(&a, Level::Error).len(), 1);
@@ -447,17 +470,17 @@ fn a_new_identity_is_a_loss() {
     assert!(
         d.feed(
             secs(2),
-            Event::IdentityObserved {
+            Event::Engine(EngineEvent::IdentityObserved {
                 identity: "trtllm 1.0".into()
-            }
+            })
         )
         .is_empty()
     );
     let a = d.feed(
         secs(3),
-        Event::IdentityObserved {
+        Event::Engine(EngineEvent::IdentityObserved {
             identity: "trtllm 2.0".into(),
-        },
+        }),
     );
     assert_eq!(
         lines(&a, Level::Error),
@@ -473,10 +496,10 @@ fn unsupported_liveness_warns_once_and_keeps_serving() {
     d.serving();
     let a = d.feed(
         secs(2),
-        Event::Liveness(LivenessObservation::StreamFailed {
+        Event::Engine(EngineEvent::Liveness(LivenessObservation::StreamFailed {
             code: 12,
             message: "unimplemented".into(),
-        }),
+        })),
     );
     assert_eq!(lines(&a, Level::Warn).len(), 1);
     assert_eq!(d.lc.phase(), Phase::Serving);
@@ -488,16 +511,16 @@ fn lost_lease_is_registered_again() {
     d.serving();
     let a = d.feed(
         secs(2),
-        Event::RegistrationLost {
+        Event::Discovery(DiscoveryEvent::RegistrationLost {
             cause: "its lease expired".into(),
-        },
+        }),
     );
     assert_eq!(without_logs(&a), vec![Action::Register]);
     assert_eq!(
         lines(&a, Level::Warn),
         vec!["discovery dropped instance abc (its lease expired); registering again"]
     );
-    d.feed(secs(2), Event::Registered);
+    d.feed(secs(2), Event::Discovery(DiscoveryEvent::Registered));
     assert_eq!(d.lc.phase(), Phase::Serving);
 }
 
@@ -507,9 +530,9 @@ fn a_record_that_cannot_be_written_again_within_the_deadline_leaves_as_a_loss_an
     d.serving();
     d.feed(
         secs(2),
-        Event::RegistrationLost {
+        Event::Discovery(DiscoveryEvent::RegistrationLost {
             cause: "the instance record left Dynamo's discovery".into(),
-        },
+        }),
     );
     // Every attempt fails; each retry is one interval later. The stale-load
     // window is kept fresh, so only the new deadline can end this.
@@ -517,11 +540,11 @@ fn a_record_that_cannot_be_written_again_within_the_deadline_leaves_as_a_loss_an
     while now < 46 {
         d.feed(
             secs(now),
-            Event::RegistrationFailed {
+            Event::Discovery(DiscoveryEvent::RegistrationFailed {
                 error: "no answer".into(),
-            },
+            }),
         );
-        d.feed(secs(now), Event::ProbeSucceeded);
+        d.feed(secs(now), Event::Engine(EngineEvent::ProbeSucceeded));
         now += 1;
         let a = d.tick(secs(now));
         assert_eq!(d.lc.phase(), Phase::Serving, "at {now} s");
@@ -538,9 +561,9 @@ fn a_record_that_cannot_be_written_again_within_the_deadline_leaves_as_a_loss_an
     );
     d.feed(
         secs(46),
-        Event::RegistrationFailed {
+        Event::Discovery(DiscoveryEvent::RegistrationFailed {
             error: "no answer".into(),
-        },
+        }),
     );
     let a = d.tick(secs(47));
     assert_eq!(d.lc.phase(), Phase::Lost);
@@ -553,7 +576,7 @@ fn a_record_that_cannot_be_written_again_within_the_deadline_leaves_as_a_loss_an
         ]
     );
     assert!(a.contains(&Action::Withdraw) && a.contains(&Action::SetAdmission(Admission::Closed)));
-    d.feed(secs(47), Event::Withdrawn);
+    d.feed(secs(47), Event::Discovery(DiscoveryEvent::Withdrawn));
     let a = d.tick(secs(47));
     assert_eq!(d.lc.phase(), Phase::Exited(ExitReason::EngineLost), "{a:?}");
 }
@@ -564,29 +587,29 @@ fn a_record_written_again_before_the_deadline_clears_it() {
     d.serving();
     d.feed(
         secs(2),
-        Event::RegistrationLost {
+        Event::Discovery(DiscoveryEvent::RegistrationLost {
             cause: "its lease expired".into(),
-        },
+        }),
     );
-    d.feed(secs(25), Event::ProbeSucceeded);
-    d.feed(secs(40), Event::Registered);
-    d.feed(secs(50), Event::ProbeSucceeded);
+    d.feed(secs(25), Event::Engine(EngineEvent::ProbeSucceeded));
+    d.feed(secs(40), Event::Discovery(DiscoveryEvent::Registered));
+    d.feed(secs(50), Event::Engine(EngineEvent::ProbeSucceeded));
     // Lost again later: the deadline counts from the new loss.
     d.feed(
         secs(60),
-        Event::RegistrationLost {
+        Event::Discovery(DiscoveryEvent::RegistrationLost {
             cause: "its lease expired".into(),
-        },
+        }),
     );
-    d.feed(secs(60), Event::ProbeSucceeded);
+    d.feed(secs(60), Event::Engine(EngineEvent::ProbeSucceeded));
     assert_eq!(d.lc.poll_timeout(), Some((secs(90), "stale-load window")));
-    d.feed(secs(80), Event::ProbeSucceeded);
+    d.feed(secs(80), Event::Engine(EngineEvent::ProbeSucceeded));
     assert_eq!(
         d.lc.poll_timeout(),
         Some((secs(105), "re-registration deadline"))
     );
-    d.feed(secs(100), Event::Registered);
-    d.feed(secs(100), Event::ProbeSucceeded);
+    d.feed(secs(100), Event::Discovery(DiscoveryEvent::Registered));
+    d.feed(secs(100), Event::Engine(EngineEvent::ProbeSucceeded));
     assert_eq!(d.lc.poll_timeout(), Some((secs(130), "stale-load window")));
     d.tick(secs(105));
     assert_eq!(d.lc.phase(), Phase::Serving);
@@ -598,13 +621,13 @@ fn exited_absorbs_everything() {
     d.feed(secs(1), Event::ShutdownSignal);
     for e in [
         Event::ShutdownSignal,
-        Event::Registered,
-        Event::EngineReady {
+        Event::Discovery(DiscoveryEvent::Registered),
+        Event::Engine(EngineEvent::Ready {
             identity: "x".into(),
             name: "TensorRT-LLM".into(),
             instance: None,
             liveness_service: "liveness".into(),
-        },
+        }),
     ] {
         assert!(d.feed(secs(2), e).is_empty());
     }

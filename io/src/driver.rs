@@ -21,7 +21,8 @@ use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use llm_sidecar_core::{
-    Action, Admission, Config as CoreConfig, Event, ExitReason, Health, Level, Lifecycle, Time,
+    Action, Admission, Config as CoreConfig, DiscoveryEvent, EngineEvent, Event, ExitReason,
+    Health, Level, Lifecycle, Time,
 };
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -439,12 +440,12 @@ impl Driver {
                     let _ = self.plane.health_rpc_path.set(rpc);
                 }
                 self.own_health.name_engine_service(profile.service);
-                let event = Event::EngineReady {
+                let event = Event::Engine(EngineEvent::Ready {
                     identity: info.identity.clone(),
                     name: info.display_name.clone(),
                     instance: info.instance_id.clone(),
                     liveness_service: self.liveness_service(profile),
-                };
+                });
                 let identity = info.identity.clone();
                 self.status.update(|s| s.engine_identity = Some(identity));
                 self.engine = Some(ready);
@@ -454,7 +455,9 @@ impl Driver {
                 self.status.note_event(&event);
                 event
             }
-            Input::RegistrationLost(cause) => Event::RegistrationLost { cause },
+            Input::RegistrationLost(cause) => {
+                Event::Discovery(DiscoveryEvent::RegistrationLost { cause })
+            }
             Input::Signal => {
                 tracing::info!("received a shutdown signal");
                 Event::ShutdownSignal

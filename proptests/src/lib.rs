@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use llm_sidecar_core::{
-    Action, Admission, Config, ConnectionEnd, Event, ExitReason, Health, Level, Lifecycle,
-    LivenessObservation, OnEngineLoss, Phase, Time,
+    Action, Admission, Config, ConnectionEnd, DiscoveryEvent, EngineEvent, Event, ExitReason,
+    Health, Level, Lifecycle, LivenessObservation, OnEngineLoss, Phase, Time,
 };
 
 pub mod diagram;
@@ -207,7 +207,8 @@ impl World {
         let now = self.now;
         let at = |e: Event| Some(Input::Event(now, e));
         let live = |o: LivenessObservation| {
-            (self.monitors || self.exited).then_some(Input::Event(now, Event::Liveness(o)))
+            (self.monitors || self.exited)
+                .then_some(Input::Event(now, Event::Engine(EngineEvent::Liveness(o))))
         };
         let front = self.ops.front().copied();
         let answer =
@@ -216,35 +217,35 @@ impl World {
             A::EngineReady => (!self.engine_announced || self.exited).then(|| {
                 Input::Event(
                     now,
-                    Event::EngineReady {
+                    Event::Engine(EngineEvent::Ready {
                         identity: IDENTITY.into(),
                         name: "TensorRT-LLM".into(),
                         instance: None,
                         liveness_service: "liveness".into(),
-                    },
+                    }),
                 )
             }),
-            A::Registered => answer(Op::Register, Event::Registered),
+            A::Registered => answer(Op::Register, Event::Discovery(DiscoveryEvent::Registered)),
             A::RegistrationFailed => answer(
                 Op::Register,
-                Event::RegistrationFailed {
+                Event::Discovery(DiscoveryEvent::RegistrationFailed {
                     error: "store refused".into(),
-                },
+                }),
             ),
             A::RegistrationLost => (self.record || self.exited).then(|| {
                 Input::Event(
                     now,
-                    Event::RegistrationLost {
+                    Event::Discovery(DiscoveryEvent::RegistrationLost {
                         cause: "its lease expired".into(),
-                    },
+                    }),
                 )
             }),
-            A::Withdrawn => answer(Op::Withdraw, Event::Withdrawn),
+            A::Withdrawn => answer(Op::Withdraw, Event::Discovery(DiscoveryEvent::Withdrawn)),
             A::WithdrawFailed => answer(
                 Op::Withdraw,
-                Event::WithdrawFailed {
+                Event::Discovery(DiscoveryEvent::WithdrawFailed {
                     error: "store refused".into(),
-                },
+                }),
             ),
             A::LiveServing => live(LivenessObservation::Status(1)),
             A::LiveNotServing => live(LivenessObservation::Status(2)),
@@ -263,46 +264,47 @@ impl World {
             A::WatchNotOpened => live(LivenessObservation::NotOpened {
                 waited: Duration::from_secs(30),
             }),
-            A::ProbeOk => {
-                (self.monitors || self.exited).then_some(Input::Event(now, Event::ProbeSucceeded))
-            }
+            A::ProbeOk => (self.monitors || self.exited).then_some(Input::Event(
+                now,
+                Event::Engine(EngineEvent::ProbeSucceeded),
+            )),
             A::ProbeFailed => (self.monitors || self.exited).then(|| {
                 Input::Event(
                     now,
-                    Event::ProbeFailed {
+                    Event::Engine(EngineEvent::ProbeFailed {
                         error: "HealthCheck timed out".into(),
-                    },
+                    }),
                 )
             }),
             A::LoadUnsupported => (self.monitors || self.exited).then(|| {
                 Input::Event(
                     now,
-                    Event::LoadUnsupported {
+                    Event::Engine(EngineEvent::LoadUnsupported {
                         rpc: "GetLoad".into(),
-                    },
+                    }),
                 )
             }),
             A::IdentitySame => (self.monitors || self.exited).then(|| {
                 Input::Event(
                     now,
-                    Event::IdentityObserved {
+                    Event::Engine(EngineEvent::IdentityObserved {
                         identity: IDENTITY.into(),
-                    },
+                    }),
                 )
             }),
             A::IdentityChanged => (self.monitors || self.exited).then(|| {
                 Input::Event(
                     now,
-                    Event::IdentityObserved {
+                    Event::Engine(EngineEvent::IdentityObserved {
                         identity: OTHER_IDENTITY.into(),
-                    },
+                    }),
                 )
             }),
             A::ConnectionLost => (self.monitors || self.exited).then_some(Input::Event(
                 now,
-                Event::EngineConnectionLost {
+                Event::Engine(EngineEvent::ConnectionLost {
                     end: ConnectionEnd::Closed,
-                },
+                }),
             )),
             A::CheckFailed => live(LivenessObservation::CheckFailed {
                 code: 14,
@@ -345,30 +347,30 @@ impl World {
         };
         self.now = self.now.max(at);
         match event {
-            Some(Event::EngineReady { .. }) => self.engine_announced = true,
-            Some(Event::Registered) => {
+            Some(Event::Engine(EngineEvent::Ready { .. })) => self.engine_announced = true,
+            Some(Event::Discovery(DiscoveryEvent::Registered)) => {
                 if self.ops.front() == Some(&Op::Register) {
                     self.ops.pop_front();
                     self.record = true;
                 }
             }
-            Some(Event::RegistrationFailed { .. }) => {
+            Some(Event::Discovery(DiscoveryEvent::RegistrationFailed { .. })) => {
                 if self.ops.front() == Some(&Op::Register) {
                     self.ops.pop_front();
                 }
             }
-            Some(Event::Withdrawn) => {
+            Some(Event::Discovery(DiscoveryEvent::Withdrawn)) => {
                 if self.ops.front() == Some(&Op::Withdraw) {
                     self.ops.pop_front();
                     self.record = false;
                 }
             }
-            Some(Event::WithdrawFailed { .. }) => {
+            Some(Event::Discovery(DiscoveryEvent::WithdrawFailed { .. })) => {
                 if self.ops.front() == Some(&Op::Withdraw) {
                     self.ops.pop_front();
                 }
             }
-            Some(Event::RegistrationLost { .. }) => self.record = false,
+            Some(Event::Discovery(DiscoveryEvent::RegistrationLost { .. })) => self.record = false,
             Some(Event::InFlightChanged { count }) if !self.exited => self.in_flight = *count,
             Some(_) | None => {}
         }
@@ -649,7 +651,7 @@ impl Checker {
                 | Action::Exit(_) => {}
             }
         }
-        if matches!(event, Some(Event::Registered)) && world.record {
+        if matches!(event, Some(Event::Discovery(DiscoveryEvent::Registered))) && world.record {
             self.ever_registered = true;
         }
         if let Some((at, reason)) = lc.poll_timeout() {
@@ -679,7 +681,7 @@ impl Checker {
         }
 
         // 6. Unsupported liveness: one warning, never a loss.
-        if let Some(Event::Liveness(o)) = event {
+        if let Some(Event::Engine(EngineEvent::Liveness(o))) = event {
             let warnings = actions
                 .iter()
                 .filter(|a| {
@@ -726,7 +728,11 @@ impl Checker {
             })
             .count() as u32;
         self.load_warnings += load_warnings;
-        if matches!(event, Some(Event::LoadUnsupported { .. })) && before == Phase::Serving {
+        if matches!(
+            event,
+            Some(Event::Engine(EngineEvent::LoadUnsupported { .. }))
+        ) && before == Phase::Serving
+        {
             if !self.load_unsupported && load_warnings != 1 {
                 return violation(
                     6,

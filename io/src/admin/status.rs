@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use llm_sidecar_core::{Event, Lifecycle, LivenessObservation, LossReason, Phase, Time};
+use llm_sidecar_core::{
+    DiscoveryEvent, EngineEvent, Event, Lifecycle, LivenessObservation, LossReason, Phase, Time,
+};
 use prometheus_client::metrics::histogram::Histogram;
 use serde::Serialize;
 
@@ -58,28 +60,33 @@ impl Shared {
     /// Counts what an event tells before the core sees it.
     pub(crate) fn note_event(&self, event: &Event) {
         match event {
-            Event::Liveness(LivenessObservation::Status(raw)) => {
+            Event::Engine(EngineEvent::Liveness(LivenessObservation::Status(raw))) => {
                 self.update(|s| s.liveness_status = Some(*raw));
             }
-            Event::ProbeSucceeded => self.update(|s| s.last_fresh_probe = Some(Instant::now())),
-            Event::LoadUnsupported { .. } => self.update(|s| s.load_unsupported = true),
-            Event::Withdrawn => self.update(|s| {
+            Event::Engine(EngineEvent::ProbeSucceeded) => {
+                self.update(|s| s.last_fresh_probe = Some(Instant::now()))
+            }
+            Event::Engine(EngineEvent::LoadUnsupported { .. }) => {
+                self.update(|s| s.load_unsupported = true)
+            }
+            Event::Discovery(DiscoveryEvent::Withdrawn) => self.update(|s| {
                 if let Some((at, reason)) = s.lost_at.take() {
                     let took = at.elapsed();
                     s.loss_to_withdraw = Some(took);
                     s.times.withdrawal(reason).observe(took.as_secs_f64());
                 }
             }),
-            Event::RegistrationFailed { .. } | Event::WithdrawFailed { .. } => {
+            Event::Discovery(DiscoveryEvent::RegistrationFailed { .. })
+            | Event::Discovery(DiscoveryEvent::WithdrawFailed { .. }) => {
                 self.update(|s| s.discovery_write_failures += 1);
             }
-            Event::EngineReady { .. }
-            | Event::Registered
-            | Event::RegistrationLost { .. }
-            | Event::Liveness(_)
-            | Event::ProbeFailed { .. }
-            | Event::IdentityObserved { .. }
-            | Event::EngineConnectionLost { .. }
+            Event::Engine(EngineEvent::Ready { .. })
+            | Event::Discovery(DiscoveryEvent::Registered)
+            | Event::Discovery(DiscoveryEvent::RegistrationLost { .. })
+            | Event::Engine(EngineEvent::Liveness(_))
+            | Event::Engine(EngineEvent::ProbeFailed { .. })
+            | Event::Engine(EngineEvent::IdentityObserved { .. })
+            | Event::Engine(EngineEvent::ConnectionLost { .. })
             | Event::ShutdownSignal
             | Event::InFlightChanged { .. } => {}
         }

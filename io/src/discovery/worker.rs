@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use llm_sidecar_core::{Event, HumanDuration};
+use llm_sidecar_core::{DiscoveryEvent, Event, HumanDuration};
 use tokio::sync::mpsc;
 
 use super::{Discovery, DiscoveryError, Record};
@@ -37,25 +37,25 @@ pub(crate) async fn run<D: Discovery>(
                         let location = discovery.location(&record);
                         tracing::info!(record = %location, key = %record.key(), "record written to discovery");
                         written(location);
-                        Event::Registered
+                        Event::Discovery(DiscoveryEvent::Registered)
                     }
-                    Ok(Err(e)) => Event::RegistrationFailed {
+                    Ok(Err(e)) => Event::Discovery(DiscoveryEvent::RegistrationFailed {
                         error: error_chain(&e),
-                    },
-                    Err(_) => Event::RegistrationFailed {
+                    }),
+                    Err(_) => Event::Discovery(DiscoveryEvent::RegistrationFailed {
                         error: timeout_error(),
-                    },
+                    }),
                 }
             }
             DiscoveryOp::Withdraw => {
                 match tokio::time::timeout(bound, discovery.withdraw()).await {
-                    Ok(Ok(())) => Event::Withdrawn,
-                    Ok(Err(e)) => Event::WithdrawFailed {
+                    Ok(Ok(())) => Event::Discovery(DiscoveryEvent::Withdrawn),
+                    Ok(Err(e)) => Event::Discovery(DiscoveryEvent::WithdrawFailed {
                         error: error_chain(&e),
-                    },
-                    Err(_) => Event::WithdrawFailed {
+                    }),
+                    Err(_) => Event::Discovery(DiscoveryEvent::WithdrawFailed {
                         error: timeout_error(),
-                    },
+                    }),
                 }
             }
         };

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use llm_sidecar_core::{Event, LivenessObservation};
+use llm_sidecar_core::{EngineEvent, Event, LivenessObservation};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -57,7 +57,7 @@ pub(crate) async fn watch_liveness(
     let send = |o: LivenessObservation| {
         let events = events.clone();
         async move {
-            let _ = events.send(Event::Liveness(o)).await;
+            let _ = events.send(Event::Engine(EngineEvent::Liveness(o))).await;
         }
     };
     let mut client = HealthClient::new(channel);
@@ -185,7 +185,12 @@ pub(super) async fn poll<F, Fut>(
                 if s == ServingStatus::Serving as i32 || s == ServingStatus::ServiceUnknown as i32
         );
         let ended = !keeps_going;
-        if events.send(Event::Liveness(observation)).await.is_err() || ended {
+        if events
+            .send(Event::Engine(EngineEvent::Liveness(observation)))
+            .await
+            .is_err()
+            || ended
+        {
             // After a failure or a departure from SERVING the core has its
             // answer; polling on would only repeat it.
             return;
@@ -203,7 +208,9 @@ pub(crate) async fn watch_connection(
         () = cancel.cancelled() => return,
         end = connection.wait() => end,
     };
-    let _ = events.send(Event::EngineConnectionLost { end }).await;
+    let _ = events
+        .send(Event::Engine(EngineEvent::ConnectionLost { end }))
+        .await;
 }
 
 /// Probes load freshness every `interval`, the first time at once, and
@@ -243,21 +250,25 @@ pub(crate) async fn probe(
                     if let Some(connection) = connection.take() {
                         tokio::spawn(watch_connection(connection, events.clone(), cancel.clone()));
                     }
-                    first.then(|| Event::LoadUnsupported {
-                        rpc: rpc.to_string(),
+                    first.then(|| {
+                        Event::Engine(EngineEvent::LoadUnsupported {
+                            rpc: rpc.to_string(),
+                        })
                     })
                 }
                 (None, _) if !load_served => None,
-                (None, Ok(())) => Some(Event::ProbeSucceeded),
-                (None, Err(e)) => Some(Event::ProbeFailed {
+                (None, Ok(())) => Some(Event::Engine(EngineEvent::ProbeSucceeded)),
+                (None, Err(e)) => Some(Event::Engine(EngineEvent::ProbeFailed {
                     error: e.to_string(),
-                }),
+                })),
             };
             if let Some(event) = event {
                 let _ = events.send(event).await;
             }
             if let Some(identity) = probed.identity {
-                let _ = events.send(Event::IdentityObserved { identity }).await;
+                let _ = events
+                    .send(Event::Engine(EngineEvent::IdentityObserved { identity }))
+                    .await;
             }
         };
         tokio::select! {

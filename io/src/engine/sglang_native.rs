@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use llm_sidecar_core::{Event, HumanDuration, LivenessObservation};
+use llm_sidecar_core::{EngineEvent, Event, HumanDuration, LivenessObservation};
 use llm_sidecar_engine_api::sglang_runtime::sglang_service_client::SglangServiceClient;
 use llm_sidecar_engine_api::sglang_runtime::{
     EngineState, GetLoadRequest, GetModelInfoRequest, GetServerInfoRequest, HealthCheckRequest,
@@ -205,10 +205,12 @@ impl Seen {
             }
         }
         [
-            Event::Liveness(LivenessObservation::Status(serving_status(state.healthy))),
-            Event::IdentityObserved {
+            Event::Engine(EngineEvent::Liveness(LivenessObservation::Status(
+                serving_status(state.healthy),
+            ))),
+            Event::Engine(EngineEvent::IdentityObserved {
                 identity: state.instance_id.to_string(),
-            },
+            }),
         ]
     }
 }
@@ -241,9 +243,9 @@ pub(crate) async fn follow_state(
     };
     let (mut stream, first) = match opened {
         Err(_) => {
-            send(Event::Liveness(LivenessObservation::NotOpened {
-                waited: bound,
-            }))
+            send(Event::Engine(EngineEvent::Liveness(
+                LivenessObservation::NotOpened { waited: bound },
+            )))
             .await;
             return;
         }
@@ -256,7 +258,10 @@ pub(crate) async fn follow_state(
             return poll_health_check(channel, every, bound, connection, events, cancel).await;
         }
         Ok(Err(status)) => {
-            send(Event::Liveness(super::monitors::observe_status(&status))).await;
+            send(Event::Engine(EngineEvent::Liveness(
+                super::monitors::observe_status(&status),
+            )))
+            .await;
             return;
         }
         Ok(Ok(opened)) => opened,
@@ -272,11 +277,17 @@ pub(crate) async fn follow_state(
                 }
             }
             Ok(None) => {
-                send(Event::Liveness(LivenessObservation::StreamEnded)).await;
+                send(Event::Engine(EngineEvent::Liveness(
+                    LivenessObservation::StreamEnded,
+                )))
+                .await;
                 return;
             }
             Err(status) => {
-                send(Event::Liveness(super::monitors::observe_status(&status))).await;
+                send(Event::Engine(EngineEvent::Liveness(
+                    super::monitors::observe_status(&status),
+                )))
+                .await;
                 return;
             }
         }
