@@ -17,7 +17,6 @@ mod generate;
 mod health;
 mod kinds;
 mod kv_events;
-mod service;
 
 pub use llm_sidecar_io::engine::EngineKind;
 
@@ -515,7 +514,7 @@ pub async fn run(
         .max_concurrent_streams(config.max_concurrent_streams)
         .add_service(echo_api::echo_server::EchoServer::new(echo::Echo))
         .add_optional_service(api(EngineKind::Trtllm).then(|| {
-            TrtllmServiceServer::new(service::Engine {
+            TrtllmServiceServer::new(kinds::trtllm::Engine {
                 state: state.clone(),
             })
         }))

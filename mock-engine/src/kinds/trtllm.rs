@@ -1,4 +1,4 @@
-//! The fake `trtllm.TrtllmService`.
+//! The fake `trtllm.TrtllmService` (TensorRT-LLM's API as the SMG gateway calls it).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
