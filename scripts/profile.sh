@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One look inside the sidecar under paced load (docs/PERFORMANCE.md, "The
+# One look inside the sidecar under paced load (docs/PERFORMANCE-LOG.md, "The
 # profile" and "Memory per stream"): the mock engine at a real engine's pace,
 # the sidecar in front of it, `llm-sidecar bench` streaming through it, and one
 # of three instruments on the sidecar alone:

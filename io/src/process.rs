@@ -141,7 +141,7 @@ pub fn runtime(worker_threads: Option<u16>) -> tokio::runtime::Runtime {
         // FIFO: a relay that wakes its connection's writer does not run that
         // writer at once (the multi-thread scheduler's LIFO slot does), so
         // every stream that got a token in this turn queues its frame first
-        // and the writer sends them in one write. docs/PERFORMANCE.md has the
+        // and the writer sends them in one write. docs/PERFORMANCE-LOG.md has the
         // figures.
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         Some(n) => {

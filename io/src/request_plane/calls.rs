@@ -9,7 +9,7 @@
 //! stream arrives (the request is on its way to the engine before the
 //! connection reads on), and again whenever something it waits for wakes it,
 //! after which the connection writes what the calls queued in the same turn.
-//! A token crosses two tasks. (docs/PERFORMANCE.md, "The caller side on h2".)
+//! A token crosses two tasks. (docs/PERFORMANCE-LOG.md, "The caller side on h2".)
 //!
 //! Each call has its own waker, which puts the call on the connection's woken
 //! list and wakes the connection's task once for any number of calls; a turn

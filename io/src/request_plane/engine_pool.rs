@@ -15,7 +15,7 @@
 //! `Channel` puts every call through a buffer task before hyper's, and hyper's
 //! client adds per call a task that waits for the response headers and one that
 //! pipes the request body, each one more hop through the runtime's queue on the
-//! way to the first token (docs/PERFORMANCE.md, "The engine side on h2"). A
+//! way to the first token (docs/PERFORMANCE-LOG.md, "The engine side on h2"). A
 //! connection that closed (the engine went away) is opened again by the next
 //! call that leases it.
 
@@ -72,7 +72,7 @@ const MAX_SEND_BUFFER_BYTES: usize = 1 << 20;
 /// behind megabytes of reads, and the caller connections relayed them in
 /// one late batch. Past this, the read says "not now" and wakes the task
 /// again: h2 writes what is queued, and the callers' connections relay what
-/// was read before the next turn reads on (docs/PERFORMANCE.md, "The caller
+/// was read before the next turn reads on (docs/PERFORMANCE-LOG.md, "The caller
 /// side on h2": time to first token at 256 saturated streams 17 → 13 ms).
 const READ_PER_TURN: usize = 64 << 10;
 

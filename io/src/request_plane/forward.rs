@@ -110,7 +110,7 @@ fn send_status(respond: &mut SendResponse<Bytes>, code: Code, message: &str) {
 /// headers, and the opening of the engine stream (which may open its
 /// connection, kilobytes of future), live in a box freed once the answer's
 /// headers are passed on. Written as one async function, a
-/// call kept 3.5 KB to its end (docs/PERFORMANCE.md, "The caller side on h2").
+/// call kept 3.5 KB to its end (docs/PERFORMANCE-LOG.md, "The caller side on h2").
 pub(crate) fn call(
     plane: Arc<Plane>,
     request: http::Request<RecvStream>,

@@ -13,7 +13,7 @@
 //! sidecar already runs on (the driver's), so one thread, the default, is
 //! exactly the single-threaded sidecar: on cores shared with the engine a
 //! second thread takes from the engine what it gives the bursts
-//! (docs/PERFORMANCE.md, "Request-plane threads").
+//! (docs/PERFORMANCE-LOG.md, "Request-plane threads").
 //!
 //! A caller connection goes to the shard with the fewest caller connections
 //! open. An engine connection lives on the shard of the call that opened it,
