@@ -64,7 +64,7 @@ pub fn serving_status_name(raw: i32) -> String {
 
 /// The name of an HTTP/2 error code (RFC 9113 section 7: `NO_ERROR`,
 /// `ENHANCE_YOUR_CALM`, ...), or its number.
-pub fn http2_error_name(code: u32) -> String {
+pub(crate) fn http2_error_name(code: u32) -> String {
     const NAMES: [&str; 14] = [
         "NO_ERROR",
         "PROTOCOL_ERROR",

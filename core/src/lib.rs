@@ -22,8 +22,11 @@
 //! See `docs/ARCHITECTURE.md` for the states, the invariants and the diagram,
 //! and `docs/CONTRACT.md` for what the lifecycle promises.
 
+#![warn(missing_docs, unreachable_pub)]
 // A wildcard arm could swallow an event or a state added later without a word;
-// every match on the core's own enums names every variant.
+// every match on the core's own enums names every variant. (A state that
+// ignores all of one source's news names the source, `Event::Engine(_)`: a
+// new source is then still a compile error everywhere.)
 #![deny(clippy::wildcard_enum_match_arm)]
 // The core reads no clock: `core/clippy.toml` lists the clock reads it may not make.
 #![deny(clippy::disallowed_methods)]

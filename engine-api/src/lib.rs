@@ -4,6 +4,8 @@
 //! that the mock engine serves) are defined; the request plane never decodes
 //! messages, it forwards bytes.
 
+#![warn(missing_docs, unreachable_pub)]
+
 /// The well-known types the APIs use (OpenEngine's `extra` is a
 /// `google.protobuf.Struct`), so users need no dependency of their own.
 pub use prost_types;

@@ -2,6 +2,8 @@
 //! worker stops — taken alike by `llm-sidecar run` and `llm-sidecar-dynamo`, so
 //! an operator reads one name, one default and one explanation for each.
 
+#![warn(missing_docs, unreachable_pub)]
+
 use std::time::Duration;
 
 use clap::Args;

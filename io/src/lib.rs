@@ -12,6 +12,8 @@
 //!
 //! [`Lifecycle`]: llm_sidecar_core::Lifecycle
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod admin;
 pub mod config;
 pub mod discovery;

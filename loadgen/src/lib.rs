@@ -4,6 +4,8 @@
 //! calls/s, tokens/s, time to first token and inter-token latency
 //! percentiles, and errors by code.
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod generate;
 pub mod local;
 

@@ -11,6 +11,8 @@
 //! NOT_SERVING, a port that opens only once "the model loaded". A small HTTP
 //! control endpoint changes its behaviour while it runs; see [`control`].
 
+#![warn(missing_docs, unreachable_pub)]
+
 mod control;
 mod echo;
 mod generate;

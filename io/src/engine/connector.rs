@@ -100,6 +100,7 @@ pub struct EngineConnector {
 }
 
 impl EngineConnector {
+    /// A connector that reports each connection's stream limit to `limit`.
     pub fn new(limit: StreamLimit) -> Self {
         EngineConnector { limit, watch: None }
     }

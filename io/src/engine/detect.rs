@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use super::{EngineError, EngineKind, PROFILES, bounded};
 
 /// The call that tells each kind apart, as an operator reads it in a log line.
-pub const DETECTION_CALLS: [(EngineKind, &str); 6] = [
+pub(crate) const DETECTION_CALLS: [(EngineKind, &str); 6] = [
     (
         EngineKind::OpenEngine,
         "/openengine.v1.Control/GetServerInfo",
@@ -40,7 +40,7 @@ pub const DETECTION_CALLS: [(EngineKind, &str); 6] = [
 
 /// What detection found.
 #[derive(Debug)]
-pub enum Detected {
+pub(crate) enum Detected {
     /// The engine serves this API (the first one in [`PROFILES`] order when it
     /// serves several).
     Kind(EngineKind),
@@ -57,7 +57,7 @@ fn tried() -> String {
 }
 
 /// Why detection did not name a kind, as the start-up log says it.
-pub fn none_served_message() -> String {
+pub(crate) fn none_served_message() -> String {
     format!(
         "serves none of the engine APIs llm-sidecar follows (tried {}: every one UNIMPLEMENTED)",
         tried()
@@ -149,7 +149,7 @@ pub(crate) async fn answers_now(
 }
 
 /// Finds the kind the engine serves, each call bounded by `bound`.
-pub async fn detect(channel: &Channel, bound: Duration) -> Result<Detected, EngineError> {
+pub(crate) async fn detect(channel: &Channel, bound: Duration) -> Result<Detected, EngineError> {
     let calls = PROFILES.map(|p| answers(p.kind, channel, bound));
     let [a, b, c, d, e, f] = calls;
     let (a, b, c, d, e, f) = tokio::join!(a, b, c, d, e, f);
