@@ -313,6 +313,19 @@ fn a_killed_engine_takes_its_worker_out_of_discovery() {
     );
 }
 
+/// The same SIGKILL with the records in a real etcd: the worker's keys go,
+/// and every later request is served by the other worker (the figure beside
+/// the file and Kubernetes backends' in docs/DYNAMO.md).
+#[test]
+fn a_killed_engine_takes_its_worker_out_of_etcd() {
+    loss_moves_traffic_in(
+        Backend::Etcd,
+        "dyn-etcd-killed",
+        |s| s.engines[0].proc.signal("KILL"),
+        "liveness stream",
+    );
+}
+
 #[test]
 fn an_ended_liveness_watch_takes_its_worker_out_of_discovery() {
     loss_moves_traffic_to_the_other_worker(
