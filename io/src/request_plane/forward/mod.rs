@@ -323,8 +323,49 @@ pub(super) mod pair {
         pub(crate) respond: SendResponse<Bytes>,
     }
 
+    /// A request plane in front of an engine nobody listens for (a call
+    /// forwarded to it fails "engine unavailable"), admission as `open`
+    /// says, the flags' default limits.
+    pub(crate) fn plane(open: bool) -> std::sync::Arc<crate::request_plane::Plane> {
+        use crate::request_plane::{EnginePool, Limits, OwnHealth, Plane};
+        let settings = crate::Timings::default().engine_channel();
+        let pool = EnginePool::new("127.0.0.1:1", settings, Default::default(), Some(1))
+            .expect("an address");
+        let limits = Limits {
+            max_message_bytes: 4 << 20,
+            max_concurrent_streams: 2048,
+            max_header_list_bytes: 16 << 10,
+            max_connections: 64,
+            handshake_timeout: std::time::Duration::from_secs(10),
+            idle_timeout: std::time::Duration::from_secs(300),
+            control_frame_budget: 100,
+            engine_connections: Some(1),
+        };
+        let plane = Plane::new(pool, &OwnHealth::new(), limits);
+        if open {
+            plane.gate.open();
+        }
+        std::sync::Arc::new(plane)
+    }
+
+    /// One call of `stream` run by `plane` as its connection runs it.
+    pub(crate) fn run(
+        plane: &std::sync::Arc<crate::request_plane::Plane>,
+        request: http::Request<RecvStream>,
+        respond: SendResponse<Bytes>,
+    ) -> tokio::task::JoinHandle<()> {
+        let address = std::net::IpAddr::from([127, 0, 0, 1]);
+        let open = crate::request_plane::frame_watch::Watched::new(address).call_opened();
+        tokio::spawn(super::call(plane.clone(), request, respond, open))
+    }
+
     /// A POST to `/svc/method`, its HEADERS sent and its body left open.
     pub(crate) async fn open() -> Stream {
+        open_to("/svc/method").await
+    }
+
+    /// A POST to `path`, its HEADERS sent and its body left open.
+    pub(crate) async fn open_to(path: &str) -> Stream {
         let (caller_io, sidecar_io) = tokio::io::duplex(1 << 20);
         let (accepted_tx, accepted_rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
@@ -337,7 +378,8 @@ pub(super) mod pair {
         let (client, connection) = h2::client::handshake(caller_io).await.expect("handshake");
         tokio::spawn(connection);
         let mut client = client.ready().await.expect("ready");
-        let request = http::Request::post("http://sidecar/svc/method")
+        let request = http::Request::post(format!("http://sidecar{path}"))
+            .header("content-type", "application/grpc")
             .body(())
             .expect("a request");
         let (answer, caller) = client.send_request(request, false).expect("sent");
@@ -390,6 +432,91 @@ mod tests {
                 DEADLINE_MESSAGE
             )
         );
+    }
+
+    /// The caller's view of a call answered with a status alone, as a gRPC
+    /// client reads it.
+    async fn status_of(answer: h2::client::ResponseFuture) -> (Code, String) {
+        // Only against a hang: the clock is paused in some of these tests,
+        // and then this passes at once when nothing else can happen.
+        let head = tokio::time::timeout(std::time::Duration::from_secs(600), answer)
+            .await
+            .expect("an answer before the hang guard")
+            .expect("an answer");
+        let status = tonic::Status::from_header_map(head.headers()).expect("a status");
+        (status.code(), status.message().to_string())
+    }
+
+    /// While admission is closed a call is answered UNAVAILABLE "draining",
+    /// once its request was read to its end, and never reaches the engine
+    /// (this one has none: forwarded, it would fail "engine unavailable").
+    #[tokio::test]
+    async fn a_call_while_admission_is_closed_is_refused_draining_and_never_forwarded() {
+        let plane = pair::plane(false);
+        let pair::Stream {
+            mut caller,
+            answer,
+            request,
+            respond,
+        } = pair::open().await;
+        let call = pair::run(&plane, request, respond);
+        caller
+            .send_data(Bytes::from_static(b"\0\0\0\0\0"), true)
+            .expect("sent");
+        assert_eq!(
+            status_of(answer).await,
+            (Code::Unavailable, "draining".to_string())
+        );
+        call.await.expect("the call");
+        let counters = &plane.counters;
+        assert_eq!(counters.ended(CallOutcome::Refused), 1);
+        assert_eq!(counters.admitted.load(Ordering::Relaxed), 0);
+    }
+
+    /// A forwarded call whose request never begins (HEADERS, then nothing)
+    /// is answered DEADLINE_EXCEEDED at the start wait, exactly (the clock
+    /// is paused), having never asked for an engine stream: with one, it
+    /// would have failed "engine unavailable" at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_never_begins_is_answered_at_its_start_wait_without_the_engine() {
+        let plane = pair::plane(true);
+        let pair::Stream {
+            caller: _caller,
+            answer,
+            request,
+            respond,
+        } = pair::open().await;
+        let started = tokio::time::Instant::now();
+        let call = pair::run(&plane, request, respond);
+        let (code, message) = status_of(answer).await;
+        assert_eq!(code, Code::DeadlineExceeded, "{message}");
+        assert!(
+            message.contains("first message did not arrive"),
+            "{message}"
+        );
+        assert_eq!(started.elapsed(), answer::REQUEST_START_WAIT);
+        call.await.expect("the call");
+        assert_eq!(plane.counters.ended(CallOutcome::EngineUnreachable), 0);
+        assert_eq!(plane.counters.ended(CallOutcome::DeadlineExceeded), 1);
+    }
+
+    /// The sidecar's own health: a request that never arrives (half-open)
+    /// is answered DEADLINE_EXCEEDED at its wait, not held.
+    #[tokio::test(start_paused = true)]
+    async fn an_own_health_request_that_never_comes_is_answered_at_its_wait() {
+        let plane = pair::plane(true);
+        let pair::Stream {
+            caller: _caller,
+            answer,
+            request,
+            respond,
+        } = pair::open_to("/grpc.health.v1.Health/Check").await;
+        let started = tokio::time::Instant::now();
+        let call = pair::run(&plane, request, respond);
+        let (code, message) = status_of(answer).await;
+        assert_eq!(code, Code::DeadlineExceeded, "{message}");
+        assert_eq!(started.elapsed(), here::OWN_HEALTH_REQUEST_WAIT);
+        call.await.expect("the call");
     }
 
     /// A status sent as trailers carries the code and the message as gRPC
