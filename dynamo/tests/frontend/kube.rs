@@ -20,9 +20,7 @@ fn loss_in_kubernetes(name: &str, lose: impl FnOnce(&mut Setup), reason: &str) {
         name,
         |s| {
             let PodOf { name, system, .. } = s.workers[0].pod.clone().expect("a pod");
-            let Store::Kube(kube) = &s.store else {
-                unreachable!("a Kubernetes setup")
-            };
+            let kube = s.store.kube();
             assert!(
                 kube.pod_ready(&name),
                 "kubelet found the pod ready while it served"
@@ -66,9 +64,7 @@ fn in_kubernetes_an_engine_going_not_serving_takes_its_worker_out() {
 fn in_kubernetes_sigterm_drains_and_leaves_no_record() {
     let mut s = Setup::start_in("dyn-kube-sigterm", Backend::Kube, 1, "10ms", &[], &[]);
     let pod = s.workers[0].pod.clone().expect("a pod").name;
-    let Store::Kube(kube) = &s.store else {
-        unreachable!("a Kubernetes setup")
-    };
+    let kube = s.store.kube();
     let object = kube
         .object(&pod)
         .expect("the worker's DynamoWorkerMetadata");
@@ -86,9 +82,7 @@ fn in_kubernetes_sigterm_drains_and_leaves_no_record() {
         "nothing left: {:?}",
         s.store.keys()
     );
-    let Store::Kube(kube) = &mut s.store else {
-        unreachable!()
-    };
+    let kube = s.store.kube();
     // Kubelet's next probe finds nothing listening.
     wait_until(HANG, "the pod to go not ready", || !kube.pod_ready(&pod));
 }
@@ -99,9 +93,7 @@ fn in_kubernetes_sigterm_drains_and_leaves_no_record() {
 fn in_kubernetes_a_deleted_pods_object_is_collected_and_its_model_leaves_the_frontend() {
     let s = Setup::start_in("dyn-kube-gc", Backend::Kube, 1, "2ms", &[], &[]);
     let pod = s.workers[0].pod.clone().expect("a pod").name;
-    let Store::Kube(kube) = &s.store else {
-        unreachable!("a Kubernetes setup")
-    };
+    let kube = s.store.kube();
     kube.delete_pod(&pod);
     assert!(kube.object(&pod).is_none(), "collected with its pod");
     wait_until(HANG, "the frontend to drop the model", || {
@@ -246,9 +238,7 @@ fn in_kubernetes_a_frontend_whose_watches_expired_across_a_loss_lists_again_and_
         Backend::Kube,
         "dyn-kube-expired",
         |s| {
-            let Store::Kube(kube) = &s.store else {
-                unreachable!("a Kubernetes setup")
-            };
+            let kube = s.store.kube();
             let pod = s.workers[0].pod.clone().expect("a pod").name;
             kube.fault(Some(Fault::WatchesDown));
             s.engines[0].proc.signal("KILL");
@@ -285,9 +275,7 @@ fn in_kubernetes_a_loss_while_the_api_server_is_down_is_withdrawn_when_it_is_bac
     let PodOf {
         name: pod, system, ..
     } = s.workers[0].pod.clone().expect("a pod");
-    let Store::Kube(kube) = &s.store else {
-        unreachable!("a Kubernetes setup")
-    };
+    let kube = s.store.kube();
     assert!(!kube.keys().is_empty(), "registered");
     kube.fault(Some(Fault::Down));
     s.engines[0].proc.signal("KILL");
@@ -323,9 +311,7 @@ fn in_kubernetes_a_container_restarted_in_its_pod_serves_again_under_the_same_id
     let mut s = Setup::start_in("dyn-kube-restart", Backend::Kube, 1, "2ms", &[], &[]);
     let pod = s.workers[0].pod.clone().expect("a pod");
     let first_id = s.ids[0].clone();
-    let Store::Kube(kube) = &s.store else {
-        unreachable!("a Kubernetes setup")
-    };
+    let kube = s.store.kube();
     let first_object_uid = kube.object(&pod.name).expect("its object")["metadata"]["uid"].clone();
     s.engines[0].proc.signal("KILL");
     assert_eq!(s.workers[0].proc.wait_exit(HANG), 1);
@@ -360,9 +346,7 @@ fn in_kubernetes_a_second_incarnation_of_a_pod_never_takes_the_first_ones_record
     let mut s = Setup::start_in("dyn-kube-again", Backend::Kube, 1, "2ms", &[], &[]);
     let first = s.workers[0].pod.clone().expect("a pod");
     let first_id = s.ids[0].clone();
-    let Store::Kube(kube) = &s.store else {
-        unreachable!("a Kubernetes setup")
-    };
+    let kube = s.store.kube();
     let owners = |object: &serde_json::Value| -> Vec<String> {
         object["metadata"]["ownerReferences"]
             .as_array()
@@ -470,9 +454,7 @@ fn sigkill_seen_in_kubernetes(name: &str, under: &[&str]) -> KillSeen {
         s.engines.push(engine);
         s.workers.push(worker);
     }
-    let Store::Kube(kube) = &s.store else {
-        unreachable!("a Kubernetes setup")
-    };
+    let kube = s.store.kube();
     let pods: Vec<PodOf> = s
         .workers
         .iter()
@@ -490,21 +472,7 @@ fn sigkill_seen_in_kubernetes(name: &str, under: &[&str]) -> KillSeen {
     wait_until(HANG, "the frontend to list the model", || {
         s.frontend.models().contains(&s.model)
     });
-    let served_both = || {
-        s.engines
-            .iter()
-            .all(|e| e.stats()["generate_started"].as_u64() > Some(0))
-    };
-    for i in 0..100 {
-        if i >= 10 && served_both() {
-            break;
-        }
-        let (status, answer) = s
-            .frontend
-            .post("/v1/completions", &completion(&s.model, "w22", 2, false));
-        assert_eq!(status, 200, "request {i} before the loss: {answer}");
-    }
-    assert!(served_both(), "both engines served some before the loss");
+    s.serve_from_every_engine();
 
     let killed = Instant::now();
     s.engines[0].proc.signal("KILL");

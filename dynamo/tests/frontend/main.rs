@@ -159,6 +159,27 @@ impl Setup {
         }
     }
 
+    /// Sends requests until every engine has served some: the frontend
+    /// spreads them over the workers while all serve (ten requests at
+    /// least; more while its discovery watch has not yet heard of one).
+    fn serve_from_every_engine(&self) {
+        let served_all = || {
+            self.engines
+                .iter()
+                .all(|e| e.stats()["generate_started"].as_u64() > Some(0))
+        };
+        for i in 0..100 {
+            if i >= 10 && served_all() {
+                break;
+            }
+            let (status, answer) = self
+                .frontend
+                .post("/v1/completions", &completion(&self.model, "w22", 2, false));
+            assert_eq!(status, 200, "request {i} before the loss: {answer}");
+        }
+        assert!(served_all(), "every engine served some before the loss");
+    }
+
     /// Both of a worker's records (instance and model card) are in discovery.
     fn assert_registered(&self, i: usize) {
         let keys = self.store.keys_of(&self.ids[i]);
@@ -243,24 +264,7 @@ fn loss_moves_traffic_in(
     let mut s = Setup::start_in(name, backend, 2, "2ms", &[], &[]);
     s.assert_registered(0);
     s.assert_registered(1);
-    // The frontend spreads requests over both workers while both serve
-    // (ten requests at least; more while its discovery watch has not yet
-    // heard of the second one).
-    let served_both = || {
-        s.engines
-            .iter()
-            .all(|e| e.stats()["generate_started"].as_u64() > Some(0))
-    };
-    for i in 0..100 {
-        if i >= 10 && served_both() {
-            break;
-        }
-        let (status, answer) = s
-            .frontend
-            .post("/v1/completions", &completion(&s.model, "w22", 2, false));
-        assert_eq!(status, 200, "request {i} before the loss: {answer}");
-    }
-    assert!(served_both(), "both engines served some before the loss");
+    s.serve_from_every_engine();
     let engine_instance = s.engines[0].stats()["instance_id"]
         .as_str()
         .expect("the engine's instance id")

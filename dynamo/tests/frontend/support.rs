@@ -203,6 +203,14 @@ impl Store {
         env
     }
 
+    /// The fake API server of a Kubernetes setup.
+    pub fn kube(&self) -> &FakeKube {
+        match self {
+            Store::Kube(kube) => kube,
+            Store::File(_) | Store::Etcd(_) => panic!("not a Kubernetes setup"),
+        }
+    }
+
     /// A new pod in Kubernetes named `name`, made in the fake API server
     /// (`system` is where kubelet probes its readiness: Dynamo's system port).
     pub fn new_pod(&self, name: &str, system: SocketAddr) -> Option<PodOf> {

@@ -480,22 +480,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_request_that_never_begins_is_answered_at_its_start_wait_without_the_engine() {
         let plane = pair::plane(true);
-        let pair::Stream {
-            caller: _caller,
-            answer,
-            request,
-            respond,
-        } = pair::open().await;
-        let started = tokio::time::Instant::now();
-        let call = pair::run(&plane, request, respond);
-        let (code, message) = status_of(answer).await;
+        let (code, message, after) = silent_call(&plane, "/svc/method").await;
         assert_eq!(code, Code::DeadlineExceeded, "{message}");
         assert!(
             message.contains("first message did not arrive"),
             "{message}"
         );
-        assert_eq!(started.elapsed(), answer::REQUEST_START_WAIT);
-        call.await.expect("the call");
+        assert_eq!(after, answer::REQUEST_START_WAIT);
         assert_eq!(plane.counters.ended(CallOutcome::EngineUnreachable), 0);
         assert_eq!(plane.counters.ended(CallOutcome::DeadlineExceeded), 1);
     }
@@ -505,18 +496,26 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_own_health_request_that_never_comes_is_answered_at_its_wait() {
         let plane = pair::plane(true);
+        let (code, message, after) = silent_call(&plane, "/grpc.health.v1.Health/Check").await;
+        assert_eq!(code, Code::DeadlineExceeded, "{message}");
+        assert_eq!(after, here::OWN_HEALTH_REQUEST_WAIT);
+    }
+
+    /// A call to `path` whose caller sends its HEADERS and then nothing,
+    /// run to its end: the status it got and when (the clock's time).
+    async fn silent_call(plane: &Arc<Plane>, path: &str) -> (Code, String, std::time::Duration) {
         let pair::Stream {
             caller: _caller,
             answer,
             request,
             respond,
-        } = pair::open_to("/grpc.health.v1.Health/Check").await;
+        } = pair::open_to(path).await;
         let started = tokio::time::Instant::now();
-        let call = pair::run(&plane, request, respond);
+        let call = pair::run(plane, request, respond);
         let (code, message) = status_of(answer).await;
-        assert_eq!(code, Code::DeadlineExceeded, "{message}");
-        assert_eq!(started.elapsed(), here::OWN_HEALTH_REQUEST_WAIT);
+        let after = started.elapsed();
         call.await.expect("the call");
+        (code, message, after)
     }
 
     /// A status sent as trailers carries the code and the message as gRPC
