@@ -174,8 +174,9 @@ print(f"listening {port}", flush=True)
 
 def warm_up():
     time.sleep(warmup)
-    manager.set("_server_status", "Up")
+    # Said before the status turns Up, so a client that saw Up finds it said.
     print("warmed up", flush=True)
+    manager.set("_server_status", "Up")
 
 
 threading.Thread(target=warm_up, daemon=True).start()

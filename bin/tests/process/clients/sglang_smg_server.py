@@ -149,6 +149,8 @@ def warm_up_then_serve(server_args, health_servicer=None):
     # The engine's warm-up, as long as asked; then the servicer's own step
     # that marks the health SERVING.
     time.sleep(warmup)
+    # Said before the health turns SERVING, so a client that saw SERVING finds it said.
+    print("warmed up", flush=True)
     _wait_and_warmup(server_args, health_servicer)
 
 
