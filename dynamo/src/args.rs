@@ -248,14 +248,8 @@ impl Args {
             liveness_service: None,
             timings,
             limits: Limits {
-                max_message_bytes: 64 * 1024 * 1024,
-                max_concurrent_streams: 2048,
-                max_header_list_bytes: 16 * 1024,
-                max_connections: 1024,
-                handshake_timeout: Duration::from_secs(10),
-                idle_timeout: Duration::from_secs(300),
-                control_frame_budget: 1000,
                 engine_connections: Some(self.grpc_connections),
+                ..Limits::DEFAULT
             },
             tls: None,
             etcd_tls: None,

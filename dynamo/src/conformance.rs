@@ -25,7 +25,7 @@ use llm_sidecar_io::discovery::FileDiscovery;
 use llm_sidecar_io::engine::EngineKind;
 use llm_sidecar_io::{Front, engine};
 use llm_sidecar_loadgen::local::free_loopback_addr;
-use llm_sidecar_mock_engine::{HealthMode, MockConfig};
+use llm_sidecar_mock_engine::MockConfig;
 use tokio_util::sync::CancellationToken;
 
 use crate::args::Args;
@@ -43,30 +43,10 @@ async fn the_bridge_passes_dynamos_conformance_kit() {
     // token every millisecond: the kit's cancelled request (10,000 tokens)
     // cannot end by itself within the kit's 2 s.
     let mock = MockConfig {
-        listen: engine_addr,
-        control_listen: free_loopback_addr().unwrap(),
         model_id: "mock-engine-model".into(),
-        version: "1.0.0-mock".into(),
-        backend: "pytorch".into(),
-        max_input_len: 4096,
-        max_seq_len: 8192,
         token_delay: Duration::from_millis(1),
-        end_delay: Duration::ZERO,
-        seed_by_prompt: false,
-        health: HealthMode::Full,
-        journal: None,
-        hold_watch: false,
-        watch_unknown_not_found: false,
-        max_concurrent_streams: None,
         kind: EngineKind::OpenEngine,
-        engine_name: "tensorrt_llm".into(),
-        warmup: Duration::ZERO,
-        load_delay: Duration::ZERO,
-        no_engine_api: false,
-        load_unimplemented: false,
-        server_info_unimplemented: false,
-        kv_events_listen: Some("127.0.0.1:0".parse().unwrap()),
-        kv_event_heartbeat: Duration::from_secs(1),
+        ..MockConfig::at(engine_addr, free_loopback_addr().unwrap())
     };
     let engine_stop = CancellationToken::new();
     let stopped = engine_stop.clone();

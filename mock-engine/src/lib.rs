@@ -118,6 +118,40 @@ pub struct MockConfig {
     pub kv_event_heartbeat: Duration,
 }
 
+impl MockConfig {
+    /// `llm-sidecar mock-engine`'s defaults (a TensorRT-LLM `trtllm` server
+    /// with full health, tokens as fast as it can, KV events on a port of its
+    /// own) on these two addresses: what an in-process test starts.
+    pub fn at(listen: SocketAddr, control_listen: SocketAddr) -> MockConfig {
+        MockConfig {
+            listen,
+            control_listen,
+            model_id: "mock/llama-3-8b-instruct".into(),
+            version: "1.0.0-mock".into(),
+            backend: "pytorch".into(),
+            max_input_len: 4096,
+            max_seq_len: 8192,
+            token_delay: Duration::ZERO,
+            end_delay: Duration::ZERO,
+            seed_by_prompt: false,
+            health: HealthMode::Full,
+            journal: None,
+            hold_watch: false,
+            watch_unknown_not_found: false,
+            max_concurrent_streams: None,
+            kind: EngineKind::Trtllm,
+            engine_name: "tensorrt_llm".into(),
+            warmup: Duration::ZERO,
+            load_delay: Duration::ZERO,
+            no_engine_api: false,
+            load_unimplemented: false,
+            server_info_unimplemented: false,
+            kv_events_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            kv_event_heartbeat: Duration::from_secs(1),
+        }
+    }
+}
+
 /// How GetLoad / GetLoads answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LoadMode {

@@ -92,21 +92,21 @@ pub struct RunArgs {
     pub lease_ttl: Duration,
     /// Largest gRPC message the request plane forwards, either direction, in
     /// bytes; a larger one fails that call with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "SIDECAR_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
+    #[arg(long, env = "SIDECAR_MAX_MESSAGE_BYTES", default_value_t = Limits::DEFAULT.max_message_bytes)]
     pub max_message_bytes: u32,
     /// Concurrent calls (HTTP/2 streams) one client connection may have open.
     /// A client address is not capped across its connections: it may take
     /// every engine stream nobody else wants, and when they run short each
     /// address gets its fair share at once and the rest wait in turn.
-    #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = 2048)]
+    #[arg(long, env = "SIDECAR_MAX_CONCURRENT_STREAMS", default_value_t = Limits::DEFAULT.max_concurrent_streams)]
     pub max_concurrent_streams: u32,
     /// Largest header list (metadata) a client may send, and an engine answer
     /// may carry back (headers, trailers), in bytes; at least 1024.
-    #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = 16 * 1024)]
+    #[arg(long, env = "SIDECAR_MAX_HEADER_LIST_BYTES", default_value_t = Limits::DEFAULT.max_header_list_bytes)]
     pub max_header_list_bytes: u32,
     /// Caller connections open at once; a new one past it is closed at once.
     /// The open-file limit is raised to fit them when the hard limit allows.
-    #[arg(long, env = "SIDECAR_MAX_CONNECTIONS", default_value_t = 1024)]
+    #[arg(long, env = "SIDECAR_MAX_CONNECTIONS", default_value_t = Limits::DEFAULT.max_connections)]
     pub max_connections: u32,
     /// How long a new caller connection has (after TLS) to send the HTTP/2
     /// preface and its first frame; silent connections are closed.
@@ -119,7 +119,7 @@ pub struct RunArgs {
     /// Control frames (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM,
     /// empty DATA) a caller connection may send per second, beyond 10 per frame
     /// of real work; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
-    #[arg(long, env = "SIDECAR_CONTROL_FRAME_BUDGET", default_value_t = 1000)]
+    #[arg(long, env = "SIDECAR_CONTROL_FRAME_BUDGET", default_value_t = Limits::DEFAULT.control_frame_budget)]
     pub control_frame_budget: u32,
     /// HTTP/2 connections to the engine at most: another opens only when every
     /// open one carries as many calls as the engine allows per connection.
@@ -281,4 +281,26 @@ pub fn run(args: RunArgs) -> i32 {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    /// The flags' defaults are `Limits::DEFAULT`, the durations given as
+    /// text included, so the in-process tests run what `llm-sidecar run` runs.
+    #[test]
+    fn run_without_flags_has_the_default_limits() {
+        let Command::Run(args) = Cli::try_parse_from(["llm-sidecar", "run"])
+            .expect("no flag is required")
+            .command
+        else {
+            panic!("not run");
+        };
+        let config = args.into_config().expect("the defaults are valid");
+        assert_eq!(config.limits, Limits::DEFAULT);
+    }
 }

@@ -1,5 +1,8 @@
 //! Hostile callers, hostile engines and stray signals: each attack that once
 //! hurt the sidecar, now failing alone (docs/RELIABILITY.md, "Hardening").
+//! Attacks whose outcome a caller and the engine see without the process
+//! (oversized answer headers, half-open calls, a stalled message) are tested
+//! in-process, in `io/tests/in_process/hardening.rs`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -426,50 +429,6 @@ fn signals_that_mean_nothing_are_ignored_and_said_once() {
             sidecar.proc.log_text()
         );
     }
-    sidecar.proc.stop_cleanly();
-}
-
-#[test]
-fn an_engine_answer_with_oversized_headers_fails_that_call_only() {
-    let dir = TempDir::new("big-headers");
-    let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "20ms"], &[]);
-    rt().block_on(async {
-        let channel = tonic::transport::Channel::from_shared(format!("http://{}", sidecar.listen))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-        let mut long = TrtllmServiceClient::new(channel.clone());
-        let long = tokio::spawn(async move {
-            let mut stream = long.generate(generate("long", 100)).await?.into_inner();
-            let mut n = 0;
-            while stream.message().await?.is_some() {
-                n += 1;
-            }
-            Ok::<_, tonic::Status>(n)
-        });
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let mut big = TrtllmServiceClient::new(channel);
-        let failed = big
-            .generate(generate("big-headers:100000", 4))
-            .await
-            .expect_err("the oversized answer fails");
-        assert_eq!(failed.code(), Code::ResourceExhausted, "{failed:?}");
-        assert!(
-            failed.message().contains("engine response headers larger"),
-            "{failed:?}"
-        );
-        let done = long.await.expect("join").expect("the other call completes");
-        assert_eq!(done, 101, "100 tokens and the final message");
-    });
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"too_large\"}"),
-        Some(1.0)
-    );
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_failed\"}"),
-        Some(0.0)
-    );
     sidecar.proc.stop_cleanly();
 }
 
@@ -1143,127 +1102,6 @@ fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
             || sidecar.metric("llm_sidecar_engine_streams_awaiting_reset") == Some(0.0),
         );
     }
-    sidecar.proc.stop_cleanly();
-}
-
-/// Attack 6 of hardening round three: half-open calls (HEADERS, then no body
-/// for ever) on two connections, as many as the sidecar lets each take, with
-/// the engine's stream limit such that they would hold every engine stream.
-/// An engine stream opens only once a request has begun: another caller's
-/// call is answered at once, and the half-open calls are answered
-/// DEADLINE_EXCEEDED after 10 s.
-#[test]
-fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
-    let dir = TempDir::new("half-open-calls");
-    let (mock, mut sidecar) = serving(&dir.0, &["--max-concurrent-streams", "20"], &[]);
-    let target = sidecar.listen;
-    // As many as the sidecar lets one connection hold: half of the 80
-    // streams the engine takes through 4 connections.
-    let half = 40;
-    let outcome = rt().block_on(async move {
-        let mut held = Vec::new();
-        for _ in 0..2 {
-            let tcp = tokio::net::TcpStream::connect(target)
-                .await
-                .expect("connect");
-            let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-            tokio::spawn(connection);
-            for _ in 0..half {
-                let Ok(client) =
-                    tokio::time::timeout(Duration::from_millis(500), client.clone().ready()).await
-                else {
-                    break;
-                };
-                let Ok(mut client) = client else { break };
-                let request = raw_h2::generate_request_head(target);
-                let (answer, body) = client.send_request(request, false).expect("send");
-                held.push((answer, body));
-            }
-        }
-        assert!(
-            held.len() >= half,
-            "the half-open calls were taken: {}",
-            held.len()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        // Another caller, beside them.
-        let victim = tokio::time::timeout(
-            Duration::from_secs(5),
-            generate_through(target, "beside-half-open", 8),
-        )
-        .await;
-        if !matches!(victim, Ok(Ok(9))) {
-            return Err(format!(
-                "the other caller's call beside {} half-open calls: {victim:?}",
-                held.len()
-            ));
-        }
-        let (first, _body) = held.swap_remove(0);
-        let answer = tokio::time::timeout(Duration::from_secs(15), first)
-            .await
-            .expect("answered within the start wait")
-            .expect("response headers");
-        assert_eq!(answer.headers()["grpc-status"], "4", "DEADLINE_EXCEEDED");
-        Ok(())
-    });
-    if let Err(e) = outcome {
-        panic!("{e}\n{}", sidecar.proc.log_text());
-    }
-    assert_eq!(
-        mock.stats()["generate_started"].as_u64(),
-        Some(1),
-        "the engine saw only the well-behaved call"
-    );
-    sidecar.proc.stop_cleanly();
-}
-
-/// Attack 6 again, one step further: calls that send HEADERS and the start of
-/// a message (its prefix declares 100 bytes, 10 come), then nothing. The
-/// engine stream opens with the first DATA and the engine waits for the rest
-/// of the message; it must not wait for ever. The call is answered
-/// DEADLINE_EXCEEDED once the message has not arrived whole within 10 s, and
-/// its engine stream is let go.
-#[test]
-fn a_request_message_stalled_half_sent_ends_after_the_arrival_wait() {
-    let dir = TempDir::new("stalled-message");
-    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
-    let target = sidecar.listen;
-    let answer = rt().block_on(async move {
-        let tcp = tokio::net::TcpStream::connect(target)
-            .await
-            .expect("connect");
-        let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-        tokio::spawn(connection);
-        let mut client = client.ready().await.expect("ready");
-        let request = raw_h2::generate_request_head(target);
-        let (answer, mut body) = client.send_request(request, false).expect("send");
-        let mut start = vec![0u8, 0, 0, 0, 100];
-        start.extend([7u8; 10]);
-        body.send_data(bytes::Bytes::from(start), false)
-            .expect("the message's start");
-        let answered = tokio::time::timeout(Duration::from_secs(30), answer).await;
-        (answered, body)
-    });
-    let (answered, _body) = answer;
-    let answer = answered
-        .expect("answered within the arrival wait")
-        .expect("response headers");
-    assert_eq!(answer.headers()["grpc-status"], "4", "DEADLINE_EXCEEDED");
-    let message = answer.headers()["grpc-message"]
-        .to_str()
-        .unwrap_or_default();
-    assert!(message.contains("did%20not%20arrive%20whole"), "{message}");
-    // The engine took the stream (the message had begun) and lets it go.
-    wait_until(HANG, "the engine's stream let go", || {
-        mock.stats()["cancelled_ids"]
-            .as_array()
-            .is_some_and(|ids| !ids.is_empty())
-            || sidecar.metric("llm_sidecar_engine_streams_reset_unanswered") == Some(1.0)
-    });
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"),
-        Some(1.0)
-    );
     sidecar.proc.stop_cleanly();
 }
 

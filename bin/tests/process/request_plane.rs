@@ -1,5 +1,8 @@
 //! The request plane as clients see it: calls through the sidecar behave as if
 //! they went to the engine, and nothing is lost when the worker drains.
+//! What needs no signal, exit, log line, thread or memory of the process
+//! (pass-through, deadlines, cancels, bad input, client streams) is tested
+//! in-process, in `io/tests/in_process/calls.rs`.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -8,9 +11,7 @@ use std::time::{Duration, Instant};
 use crate::support::*;
 use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_engine_api::trtllm::{
-    GenerateRequest, GetModelInfoRequest, HealthCheckRequest, TokenizedInput,
-};
+use llm_sidecar_engine_api::trtllm::{GenerateRequest, HealthCheckRequest, TokenizedInput};
 use tonic::Code;
 use tonic::transport::Channel;
 
@@ -80,120 +81,6 @@ fn wait_for_engine_reset(mock: &Mock, id: &str) {
                 .is_some_and(|ids| ids.iter().any(|i| i == id))
         },
     );
-}
-
-#[test]
-fn calls_through_the_sidecar_are_what_the_engine_sends() {
-    let dir = TempDir::new("passthrough");
-    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
-    rt().block_on(async {
-        let direct = run_generate(client(mock.grpc).await, generate("same-1", 8, 64)).await;
-        let proxied = run_generate(client(sidecar.listen).await, generate("same-1", 8, 64)).await;
-        assert_eq!(direct.streamed.len(), 64);
-        assert_eq!(proxied, direct, "the same tokens and the same end");
-        assert_eq!(proxied.complete, proxied.streamed);
-
-        let d = client(mock.grpc)
-            .await
-            .get_model_info(GetModelInfoRequest {})
-            .await
-            .expect("direct unary")
-            .into_inner();
-        let p = client(sidecar.listen)
-            .await
-            .get_model_info(GetModelInfoRequest {})
-            .await
-            .expect("proxied unary")
-            .into_inner();
-        assert_eq!(p, d);
-
-        // An engine error passes unchanged: code, message and trailing metadata.
-        let err_id = "error:9:model is busy";
-        let d = client(mock.grpc)
-            .await
-            .generate(generate(err_id, 1, 1))
-            .await
-            .expect_err("direct error");
-        let p = client(sidecar.listen)
-            .await
-            .generate(generate(err_id, 1, 1))
-            .await
-            .expect_err("proxied error");
-        assert_eq!(
-            (p.code(), p.message()),
-            (Code::FailedPrecondition, "model is busy")
-        );
-        assert_eq!((p.code(), p.message()), (d.code(), d.message()));
-        assert_eq!(
-            p.metadata().get("x-engine-error"),
-            d.metadata().get("x-engine-error")
-        );
-        assert!(p.metadata().get("x-engine-error").is_some());
-    });
-    sidecar.proc.stop_cleanly();
-}
-
-#[test]
-fn grpc_timeout_is_enforced_by_the_sidecar_and_resets_the_engine_stream() {
-    let dir = TempDir::new("timeout");
-    let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "50ms"], &[]);
-    rt().block_on(async {
-        let mut c = client(sidecar.listen).await;
-        let mut request = tonic::Request::new(generate("slow", 4, 1000));
-        request.set_timeout(Duration::from_millis(400));
-        let started = Instant::now();
-        let outcome = async {
-            let mut stream = c.generate(request).await?.into_inner();
-            while stream.message().await?.is_some() {}
-            Ok::<(), tonic::Status>(())
-        }
-        .await;
-        let status = outcome.expect_err("the call outlives its grpc-timeout");
-        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-        assert!(started.elapsed() < Duration::from_secs(5));
-    });
-    // The mock engine enforces no deadline itself: the reset it saw came from the sidecar.
-    wait_for_engine_reset(&mock, "slow");
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"deadline_exceeded\"}"),
-        Some(1.0)
-    );
-    sidecar.proc.stop_cleanly();
-}
-
-#[test]
-fn a_caller_cancel_resets_the_engine_stream_at_once() {
-    let dir = TempDir::new("cancel");
-    let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "50ms"], &[]);
-    rt().block_on(async {
-        let mut c = client(sidecar.listen).await;
-        let mut stream = c
-            .generate(generate("cancel-me", 4, 1000))
-            .await
-            .expect("start")
-            .into_inner();
-        for _ in 0..3 {
-            stream.message().await.expect("chunk").expect("a chunk");
-        }
-        assert_eq!(sidecar.metric("llm_sidecar_in_flight"), Some(1.0));
-        let dropped = Instant::now();
-        drop(stream);
-        // Unreset, the engine would stream for 50 s more: the bounded wait
-        // tells the two apart without timing the reset itself.
-        wait_for_engine_reset(&mock, "cancel-me");
-        println!(
-            "the engine saw the reset {:?} after the drop",
-            dropped.elapsed()
-        );
-        wait_until(HANG, "in flight back to 0", || {
-            sidecar.metric("llm_sidecar_in_flight") == Some(0.0)
-        });
-        assert_eq!(
-            sidecar.metric("llm_sidecar_calls_total{outcome=\"cancelled_by_caller\"}"),
-            Some(1.0)
-        );
-    });
-    sidecar.proc.stop_cleanly();
 }
 
 #[test]
@@ -319,90 +206,6 @@ fn engine_loss_closes_admission_at_once_and_lets_calls_end() {
     );
 }
 
-#[test]
-fn bad_input_fails_only_its_own_connection_or_call() {
-    let dir = TempDir::new("bad-input");
-    let (mock, mut sidecar) = serving(
-        &dir.0,
-        &["--token-delay", "10ms"],
-        &["--max-message-bytes", "1024"],
-    );
-    rt().block_on(async {
-        let good = tokio::spawn(run_generate(
-            client(sidecar.listen).await,
-            generate("good", 4, 200),
-        ));
-        // Garbage bytes and an HTTP/1 request: the connection is closed.
-        for junk in [
-            &b"\x00\x01garbage that is not HTTP/2\r\n\r\n"[..],
-            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-        ] {
-            let addr = sidecar.listen;
-            let junk = junk.to_vec();
-            let closed = tokio::task::spawn_blocking(move || {
-                let mut s = TcpStream::connect(addr).expect("connect");
-                s.set_read_timeout(Some(Duration::from_secs(10)))
-                    .expect("timeout");
-                s.write_all(&junk).expect("write");
-                let mut buf = Vec::new();
-                // A clean close or a reset both end the connection; only a timeout does not.
-                match s.read_to_end(&mut buf) {
-                    Ok(_) => true,
-                    Err(e) => !matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ),
-                }
-            })
-            .await
-            .expect("join");
-            assert!(
-                closed,
-                "the sidecar closes a connection that does not speak HTTP/2"
-            );
-        }
-        // An unknown method passes through and fails as the engine says.
-        let channel = Channel::from_shared(format!("http://{}", sidecar.listen))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-        let mut grpc = tonic::client::Grpc::new(channel);
-        grpc.ready().await.expect("ready");
-        let path = http::uri::PathAndQuery::from_static("/trtllm.TrtllmService/NoSuchMethod");
-        let codec: tonic_prost::ProstCodec<HealthCheckRequest, HealthCheckRequest> =
-            tonic_prost::ProstCodec::default();
-        let err = grpc
-            .unary(tonic::Request::new(HealthCheckRequest {}), path, codec)
-            .await
-            .expect_err("unknown method");
-        assert_eq!(err.code(), Code::Unimplemented);
-        // A message over the limit fails that call only.
-        let big = run_generate(client(sidecar.listen).await, generate("too-big", 2000, 1)).await;
-        assert_eq!(
-            big.end.as_ref().map_err(|e| e.0),
-            Err(Code::ResourceExhausted),
-            "{:?}",
-            big.end
-        );
-        let good = good.await.expect("join");
-        assert_eq!(good.end, Ok(()), "the concurrent good call completes");
-        assert_eq!(good.streamed.len(), 200);
-    });
-    assert!(
-        !mock.stats()["seen_ids"]
-            .as_array()
-            .expect("ids")
-            .iter()
-            .any(|i| i == "too-big")
-    );
-    assert!(
-        sidecar.proc.running(),
-        "bad input never takes the sidecar down"
-    );
-    sidecar.proc.stop_cleanly();
-}
-
 /// One HTTP/2 frame header: length, type, flags, stream id.
 fn h2_frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
     let len = payload.len() as u32;
@@ -500,36 +303,6 @@ fn exit_closes_a_busy_caller_connection_without_a_reset() {
     );
     assert_eq!(write_error, None, "the caller's writes never met a reset");
     assert_eq!(sidecar.proc.wait_exit(HANG), 0);
-}
-
-#[test]
-fn a_client_stream_reaches_the_engine_whole_and_its_answer_comes_back() {
-    use llm_sidecar_mock_engine::echo_api::EchoChunk;
-    use llm_sidecar_mock_engine::echo_api::echo_client::EchoClient;
-    let dir = TempDir::new("client-stream");
-    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
-    // 200 chunks of different sizes (up to 64 KiB), as the engine would checksum them.
-    let chunks: Vec<Vec<u8>> = (0..200u32)
-        .map(|i| (0..(i * 331) % 65_536).map(|b| (b * 7 + i) as u8).collect())
-        .collect();
-    let (bytes, checksum) = chunks.iter().flatten().fold((0u64, 0u64), |(n, c), b| {
-        (n + 1, c.wrapping_mul(31).wrapping_add(u64::from(*b)))
-    });
-    let summary = rt().block_on(async {
-        let channel = llm_sidecar_loadgen::connect(&sidecar.listen.to_string())
-            .await
-            .expect("connect");
-        let outbound = tokio_stream::iter(chunks.into_iter().map(|data| EchoChunk { data }));
-        EchoClient::new(channel)
-            .collect(outbound)
-            .await
-            .expect("the client-streaming call")
-            .into_inner()
-    });
-    assert_eq!(summary.chunks, 200);
-    assert_eq!(summary.bytes, bytes);
-    assert_eq!(summary.checksum, checksum, "every byte, in order");
-    sidecar.proc.stop_cleanly();
 }
 
 /// A call streaming from an engine whose connection went silent (a partition,

@@ -56,7 +56,7 @@ pub(crate) use shards::Shards;
 pub use shards::auto_worker_threads;
 
 /// Limits on what a caller may send.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Largest gRPC message, either direction, in bytes.
     pub max_message_bytes: u32,
@@ -81,6 +81,18 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// `llm-sidecar run`'s defaults, the flags' one home.
+    pub const DEFAULT: Limits = Limits {
+        max_message_bytes: 64 * 1024 * 1024,
+        max_concurrent_streams: 2048,
+        max_header_list_bytes: 16 * 1024,
+        max_connections: 1024,
+        handshake_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(5 * 60),
+        control_frame_budget: 1000,
+        engine_connections: None,
+    };
+
     /// The smallest message and header limits that make sense: below them no
     /// real call fits, so a smaller value is a mistake, not a choice.
     pub const MIN_BYTES: u32 = 1024;

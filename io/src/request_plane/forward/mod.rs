@@ -332,14 +332,8 @@ pub(super) mod pair {
         let pool = EnginePool::new("127.0.0.1:1", settings, Default::default(), Some(1))
             .expect("an address");
         let limits = Limits {
-            max_message_bytes: 4 << 20,
-            max_concurrent_streams: 2048,
-            max_header_list_bytes: 16 << 10,
-            max_connections: 64,
-            handshake_timeout: std::time::Duration::from_secs(10),
-            idle_timeout: std::time::Duration::from_secs(300),
-            control_frame_budget: 100,
             engine_connections: Some(1),
+            ..Limits::DEFAULT
         };
         let plane = Plane::new(pool, &OwnHealth::new(), limits);
         if open {
