@@ -31,7 +31,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     runtime::init_logging(cli.log_format());
-    let code = match cli.command {
+    let exit = match cli.command {
         cli::Command::Run(args) => commands::run::run(*args),
         cli::Command::MockEngine(args) => commands::mock_engine::run(*args),
         cli::Command::Instances(args) => commands::instances::run(args),
@@ -40,7 +40,5 @@ fn main() -> ExitCode {
         cli::Command::Bench(args) => commands::bench::run(args),
         cli::Command::Demo(args) => commands::demo::run(args),
     };
-    // Every code is one of the documented few; anything else would be a bug,
-    // and must never read as 1 ("engine lost").
-    ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX))
+    exit.into()
 }

@@ -1,7 +1,7 @@
 //! What every subcommand runs on: the IO layer's process setup (logging, the
 //! async runtime, the stop signals), shared with `llm-sidecar-dynamo`.
 
-pub use llm_sidecar_io::process::{EXIT_RUNTIME, runtime, shutdown_signals};
+pub use llm_sidecar_io::process::{runtime, shutdown_signals};
 
 use crate::shared::LogFormat;
 

@@ -9,7 +9,7 @@ use clap::{Args, ValueEnum};
 use llm_sidecar_io::ConfigError;
 use llm_sidecar_io::tls::EtcdTls;
 
-pub use llm_sidecar_io::process::EXIT_USAGE;
+pub use llm_sidecar_io::process::Exit;
 
 /// How log lines are written (to stderr).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

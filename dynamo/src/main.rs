@@ -29,9 +29,7 @@ use std::time::Duration;
 use clap::Parser;
 use dynamo_backend_common::WorkerConfig;
 use dynamo_runtime::{DistributedRuntime, Runtime};
-use llm_sidecar_io::process::{
-    EXIT_STARTUP, EXIT_USAGE, Throttle, init_logging_throttled, runtime, shutdown_signals,
-};
+use llm_sidecar_io::process::{Exit, Throttle, init_logging_throttled, runtime, shutdown_signals};
 use llm_sidecar_io::{Front, engine};
 
 use crate::args::{Args, Settings};
@@ -45,14 +43,18 @@ use crate::registry::{DynamoRegistry, ReadBack};
 const RESPONSE_FLUSH: Duration = Duration::from_millis(100);
 
 fn main() {
-    std::process::exit(run());
+    std::process::exit(i32::from(run().code()));
 }
 
-fn run() -> i32 {
+fn run() -> Exit {
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
-            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let code = if e.use_stderr() {
+                Exit::Usage
+            } else {
+                Exit::SUCCESS
+            };
             let _ = e.print();
             return code;
         }
@@ -61,7 +63,7 @@ fn run() -> i32 {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     let accept_failures = Throttle::new(ACCEPT_TARGET, ACCEPT_FAILED, ACCEPT_LOG_EVERY);
@@ -101,7 +103,7 @@ fn worker_config(s: &Settings) -> WorkerConfig {
     }
 }
 
-async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
+async fn serve(settings: Settings, accept_failures: Throttle) -> Exit {
     let timings = settings.run.timings.clone();
     let channel_settings = timings.engine_channel();
     let channels: Result<Vec<_>, _> = (0..settings.run.limits.engine_connections.unwrap_or(1))
@@ -114,7 +116,7 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
         Ok(c) => c,
         Err(e) => {
             tracing::error!("--grpc-endpoint {}: {e}", settings.run.engine_endpoint);
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     let deadline = tokio::time::Instant::now() + timings.startup_deadline;
@@ -122,11 +124,11 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
         None => ReadBack::Listing,
         Some(pod) => match connect_kube(pod.clone(), &settings, deadline).await {
             Some(object) => ReadBack::OwnObject(Box::new(object)),
-            None => return EXIT_STARTUP,
+            None => return Exit::STARTUP_FAILED,
         },
     };
     let Some(drt) = connect_dynamo(&settings, deadline).await else {
-        return EXIT_STARTUP;
+        return Exit::STARTUP_FAILED;
     };
     let registry = Arc::new(DynamoRegistry::new(
         drt.clone(),
@@ -149,7 +151,7 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("{e}");
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     let calls = started.calls();
@@ -160,12 +162,12 @@ async fn serve(settings: Settings, accept_failures: Throttle) -> i32 {
         accept_failures.count.clone(),
     );
     registry.set_calls(calls);
-    let code = started.drive().await;
+    let reason = started.drive().await;
     tokio::time::sleep(RESPONSE_FLUSH).await;
     // Dynamo's teardown: stop its request plane, delete what this process
     // still owns in discovery (nothing, after a confirmed withdrawal).
     drt.shutdown();
-    code.as_i32()
+    reason.into()
 }
 
 /// Runs `attempt` every retry interval, each bounded by the connect-attempt

@@ -2,21 +2,58 @@
 //! `llm-sidecar-dynamo`): logging to stderr, the async runtime, and the
 //! signals that ask the sidecar to stop.
 
+use llm_sidecar_core::ExitReason;
 use tokio::sync::mpsc;
 
-/// Exit code for bad usage or configuration: nothing was contacted. Both
-/// binaries exit with it; the lifecycle's own codes (0, 1, 3) are
-/// `llm_sidecar_core::ExitReason`'s.
-pub const EXIT_USAGE: i32 = 2;
+/// How a process of either binary ends, by what its status tells a
+/// supervisor: the one home of the exit codes of `llm-sidecar` and
+/// `llm-sidecar-dynamo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// The lifecycle's own end: 0 after a signal, 1 the engine lost (restart
+    /// the pod), 3 start-up not done by its deadline.
+    Lifecycle(ExitReason),
+    /// 2: bad usage or configuration; nothing was contacted.
+    Usage,
+    /// 71 (sysexits' EX_OSERR): the async runtime could not start (the OS
+    /// refused its threads). Never 1, which means "engine lost".
+    Runtime,
+    /// A subcommand's own code, documented with it (`probe`:
+    /// grpc_health_probe's; `copy-binary`'s 73).
+    Own(u8),
+}
 
-/// Exit code when start-up did not complete before its deadline: the
-/// lifecycle's, for a start-up step that runs before the lifecycle does (the
-/// Dynamo worker's connection to discovery).
-pub const EXIT_STARTUP: i32 = llm_sidecar_core::ExitReason::StartupFailed.as_i32();
+impl Exit {
+    /// 0: done, nothing went wrong.
+    pub const SUCCESS: Exit = Exit::Lifecycle(ExitReason::Clean);
+    /// 3: a start-up step that runs before the lifecycle does (the Dynamo
+    /// worker's connection to discovery) did not complete: the lifecycle's
+    /// start-up failure.
+    pub const STARTUP_FAILED: Exit = Exit::Lifecycle(ExitReason::StartupFailed);
 
-/// Exit code when the async runtime cannot start (the OS refused its threads):
-/// sysexits' EX_OSERR. Never 1, which means "engine lost" to a supervisor.
-pub const EXIT_RUNTIME: i32 = 71;
+    /// The process exit status.
+    pub const fn code(self) -> u8 {
+        match self {
+            // 0, 1 or 3.
+            Exit::Lifecycle(reason) => reason.as_i32() as u8,
+            Exit::Usage => 2,
+            Exit::Runtime => 71,
+            Exit::Own(code) => code,
+        }
+    }
+}
+
+impl From<ExitReason> for Exit {
+    fn from(reason: ExitReason) -> Exit {
+        Exit::Lifecycle(reason)
+    }
+}
+
+impl From<Exit> for std::process::ExitCode {
+    fn from(exit: Exit) -> std::process::ExitCode {
+        std::process::ExitCode::from(exit.code())
+    }
+}
 
 /// Sets up tracing to stderr, one JSON object per line when `json`;
 /// `RUST_LOG` overrides the default `info`.
@@ -129,7 +166,8 @@ impl tracing::field::Visit for MessageStart {
 }
 
 /// The runtime: current-thread for one worker, else multi-threaded with
-/// `worker_threads` workers (tokio's default, one per core, when `None`). On failure the process exits [`EXIT_RUNTIME`]
+/// `worker_threads` workers (tokio's default, one per core, when `None`). On failure the process exits
+/// [`Exit::Runtime`]
 /// with a line that says why.
 ///
 /// tokio reports some failures as an error and panics on others (the OS
@@ -167,7 +205,7 @@ pub fn runtime(worker_threads: Option<u16>) -> tokio::runtime::Runtime {
             .unwrap_or_else(|| "the runtime panicked while starting".to_string()),
     };
     eprintln!("error: cannot start the async runtime: {why}");
-    std::process::exit(EXIT_RUNTIME);
+    std::process::exit(i32::from(Exit::Runtime.code()));
 }
 
 /// The signals that start the SIGTERM path (withdraw, router grace, drain,

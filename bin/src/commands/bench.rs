@@ -6,7 +6,7 @@ use clap::Args;
 use llm_sidecar_io::parse_host_port;
 
 use crate::runtime::runtime;
-use crate::shared::{EXIT_USAGE, duration, engine_kind};
+use crate::shared::{Exit, duration, engine_kind};
 
 /// Flags of `llm-sidecar bench`.
 #[derive(Debug, Args)]
@@ -42,10 +42,10 @@ pub struct BenchArgs {
 }
 
 /// `llm-sidecar bench`.
-pub fn run(args: BenchArgs) -> i32 {
+pub fn run(args: BenchArgs) -> Exit {
     if let Err(e) = parse_host_port("--target", &args.target) {
         eprintln!("error: {e}");
-        return EXIT_USAGE;
+        return Exit::Usage;
     }
     let config = llm_sidecar_loadgen::BenchConfig {
         target: args.target,
@@ -67,11 +67,15 @@ pub fn run(args: BenchArgs) -> i32 {
             } else {
                 out!("{report}");
             }
-            i32::from(!report.errors.is_empty())
+            if report.errors.is_empty() {
+                Exit::SUCCESS
+            } else {
+                Exit::Own(1)
+            }
         }
         Err(e) => {
             eprintln!("error: {e}");
-            1
+            Exit::Own(1)
         }
     }
 }

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use crate::shared::EXIT_USAGE;
+use crate::shared::Exit;
 
 /// Writing the copy failed (sysexits' EX_CANTCREAT).
-pub const EXIT_CANNOT_WRITE: i32 = 73;
+pub const EXIT_CANNOT_WRITE: Exit = Exit::Own(73);
 
 /// Flags of `llm-sidecar copy-binary`.
 #[derive(Debug, Args)]
@@ -24,22 +24,22 @@ pub struct CopyBinaryArgs {
 }
 
 /// `llm-sidecar copy-binary`.
-pub fn run(args: CopyBinaryArgs) -> i32 {
+pub fn run(args: CopyBinaryArgs) -> Exit {
     match fs::metadata(&args.dir) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
             eprintln!("error: {} is not a directory", args.dir.display());
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
         Err(e) => {
             eprintln!("error: directory {}: {e}", args.dir.display());
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     }
     match copy_self(&args.dir) {
         Ok(to) => {
             outln!("copied llm-sidecar to {}", to.display());
-            0
+            Exit::SUCCESS
         }
         Err(e) => {
             eprintln!(

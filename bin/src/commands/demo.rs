@@ -15,7 +15,7 @@ use llm_sidecar_io::engine::EngineKind;
 use llm_sidecar_loadgen::generate::{generate, tokens_of};
 use llm_sidecar_loadgen::local::{free_loopback_addr, http_get, poll_until, record_files};
 
-use crate::shared::engine_kind;
+use crate::shared::{Exit, engine_kind};
 
 /// Flags of `llm-sidecar demo`.
 #[derive(Debug, Args)]
@@ -68,12 +68,12 @@ fn spawn(exe: &Path, args: &[String], log: &Path) -> std::io::Result<Child> {
 }
 
 /// Runs the demo; returns the process exit code (0 if it showed what it should).
-pub fn run(args: DemoArgs) -> i32 {
+pub fn run(args: DemoArgs) -> Exit {
     match demo(args.engine_kind) {
-        Ok(()) => 0,
+        Ok(()) => Exit::SUCCESS,
         Err(e) => {
             eprintln!("demo failed: {e}");
-            1
+            Exit::Own(1)
         }
     }
 }

@@ -7,7 +7,7 @@ use llm_sidecar_io::discovery::{DiscoveryUri, EtcdDiscovery, FileDiscovery, List
 use llm_sidecar_io::report::error_chain;
 
 use crate::runtime::runtime;
-use crate::shared::{EXIT_USAGE, EtcdTlsArgs};
+use crate::shared::{EtcdTlsArgs, Exit};
 
 /// Flags of `llm-sidecar instances`.
 #[derive(Debug, Args)]
@@ -29,19 +29,19 @@ pub struct InstancesArgs {
 }
 
 /// `llm-sidecar instances`.
-pub fn run(args: InstancesArgs) -> i32 {
+pub fn run(args: InstancesArgs) -> Exit {
     let uri = match DiscoveryUri::parse(&args.discovery) {
         Ok(u) => u,
         Err(e) => {
             eprintln!("error: {e}");
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     let etcd_tls = match args.etcd_tls.load() {
         Ok(t) => t,
         Err(e) => {
             eprintln!("error: {e}");
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     let listed = match &uri {
@@ -65,14 +65,14 @@ pub fn run(args: InstancesArgs) -> i32 {
                 "error: {uri}: Dynamo's workers in Kubernetes are listed with \
                  `kubectl get dynamoworkermetadatas`"
             );
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     let listed = match listed {
         Ok(l) => l,
         Err(e) => {
             eprintln!("error: cannot read {uri}: {}", error_chain(&e));
-            return 1;
+            return Exit::Own(1);
         }
     };
     if args.json {
@@ -80,11 +80,11 @@ pub fn run(args: InstancesArgs) -> i32 {
             "{}",
             serde_json::to_string_pretty(&listed).unwrap_or_else(|_| "[]".into())
         );
-        return 0;
+        return Exit::SUCCESS;
     }
     if listed.is_empty() {
         outln!("no instances registered in {uri}");
-        return 0;
+        return Exit::SUCCESS;
     }
     outln!(
         "{:<18} {:<10} {:<22} {:<8} {:<28} {:<8} REGISTERED",
@@ -115,7 +115,7 @@ pub fn run(args: InstancesArgs) -> i32 {
             ),
         }
     }
-    0
+    Exit::SUCCESS
 }
 
 /// A value from a record as the table shows it: control characters (a

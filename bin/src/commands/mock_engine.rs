@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::runtime::{runtime, shutdown_signals};
-use crate::shared::{EXIT_USAGE, LogFormat, duration, engine_kind};
+use crate::shared::{Exit, LogFormat, duration, engine_kind};
 
 /// Flags of `llm-sidecar mock-engine`.
 #[derive(Debug, Args)]
@@ -117,7 +117,7 @@ pub struct MockArgs {
 }
 
 /// `llm-sidecar mock-engine`.
-pub fn run(args: MockArgs) -> i32 {
+pub fn run(args: MockArgs) -> Exit {
     use llm_sidecar_mock_engine::{HealthMode, MockConfig};
     let config = MockConfig {
         listen: args.listen,
@@ -157,10 +157,10 @@ pub fn run(args: MockArgs) -> i32 {
             signals.recv().await;
         };
         match llm_sidecar_mock_engine::run(config, shutdown).await {
-            Ok(()) => 0,
+            Ok(()) => Exit::SUCCESS,
             Err(e) => {
                 tracing::error!("{e}");
-                EXIT_USAGE
+                Exit::Usage
             }
         }
     })

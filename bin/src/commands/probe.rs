@@ -12,15 +12,15 @@ use clap::Args;
 use llm_sidecar_io::engine::check::{CheckError, Checked, check_engine, check_sidecar};
 use llm_sidecar_io::parse_host_port;
 
-use crate::shared::{EXIT_USAGE, EngineKindArg, duration};
+use crate::shared::{EngineKindArg, Exit, duration};
 
 /// Nothing accepted the connection (grpc_health_probe's 2).
-pub const EXIT_NO_CONNECTION: i32 = 2;
+pub const EXIT_NO_CONNECTION: Exit = Exit::Own(2);
 /// A call failed or timed out, or the engine serves no API llm-sidecar
 /// follows (grpc_health_probe's 3).
-pub const EXIT_CALL_FAILED: i32 = 3;
+pub const EXIT_CALL_FAILED: Exit = Exit::Own(3);
 /// It answered, but not SERVING (grpc_health_probe's 4).
-pub const EXIT_NOT_SERVING: i32 = 4;
+pub const EXIT_NOT_SERVING: Exit = Exit::Own(4);
 
 /// Flags of `llm-sidecar probe`.
 #[derive(Debug, Args)]
@@ -47,25 +47,25 @@ pub struct ProbeArgs {
 }
 
 /// `llm-sidecar probe`.
-pub fn run(args: ProbeArgs) -> i32 {
+pub fn run(args: ProbeArgs) -> Exit {
     let (flag, address) = match (&args.engine, &args.sidecar) {
         (Some(a), _) => ("--engine", a.clone()),
         (None, Some(a)) => ("--sidecar", a.clone()),
-        (None, None) => return EXIT_USAGE,
+        (None, None) => return Exit::Usage,
     };
     if let Err(e) = parse_host_port(flag, &address) {
         eprintln!("error: {e}");
-        return EXIT_USAGE;
+        return Exit::Usage;
     }
     if args.sidecar.is_some() && args.engine_kind.is_some() {
         eprintln!(
             "error: --engine-kind goes with --engine; a sidecar is looked at through its own health service"
         );
-        return EXIT_USAGE;
+        return Exit::Usage;
     }
     if args.timeout.is_zero() {
         eprintln!("error: --timeout must be more than 0");
-        return EXIT_USAGE;
+        return Exit::Usage;
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -74,7 +74,7 @@ pub fn run(args: ProbeArgs) -> i32 {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
-            return crate::runtime::EXIT_RUNTIME;
+            return Exit::Runtime;
         }
     };
     let what = if args.engine.is_some() {
@@ -105,7 +105,7 @@ pub fn run(args: ProbeArgs) -> i32 {
                     kind.unwrap_or_default()
                 );
             }
-            0
+            Exit::SUCCESS
         }
         Ok(Checked::NotServing {
             kind,

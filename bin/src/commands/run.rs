@@ -12,8 +12,8 @@ use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::tls::ServerTlsFiles;
 use llm_sidecar_io::{ConfigError, RunConfig, Timings, parse_host_port, parse_key_segment};
 
-use crate::runtime::{EXIT_RUNTIME, runtime, shutdown_signals};
-use crate::shared::{EXIT_USAGE, EngineKindArg, EtcdTlsArgs, LogFormat, duration};
+use crate::runtime::{runtime, shutdown_signals};
+use crate::shared::{EngineKindArg, EtcdTlsArgs, Exit, LogFormat, duration};
 
 /// Flags of `llm-sidecar run`.
 #[derive(Debug, Args)]
@@ -258,26 +258,26 @@ pub enum OnEngineLossArg {
 }
 
 /// `llm-sidecar run`.
-pub fn run(args: RunArgs) -> i32 {
+pub fn run(args: RunArgs) -> Exit {
     let config = match args.into_config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
-            return EXIT_USAGE;
+            return Exit::Usage;
         }
     };
     // The driver's runtime, one thread; the request plane adds its own
     // (`RunConfig::worker_threads`).
     runtime(Some(1)).block_on(async move {
         match llm_sidecar_io::run(config, shutdown_signals()).await {
-            Ok(code) => code.as_i32(),
+            Ok(reason) => reason.into(),
             Err(e @ llm_sidecar_io::RunError::Threads(_)) => {
                 tracing::error!("{e}");
-                EXIT_RUNTIME
+                Exit::Runtime
             }
             Err(e) => {
                 tracing::error!("{e}");
-                EXIT_USAGE
+                Exit::Usage
             }
         }
     })
