@@ -1,8 +1,10 @@
 //! Hostile callers, hostile engines and stray signals: each attack that once
 //! hurt the sidecar, now failing alone (docs/RELIABILITY.md, "Hardening").
 //! Attacks whose outcome a caller and the engine see without the process
-//! (oversized answer headers, half-open calls, a stalled message) are tested
-//! in-process, in `io/tests/in_process/hardening.rs`.
+//! (oversized answer headers, half-open calls and own-health Watches, a
+//! stalled message, silent and idle connections, the connection cap,
+//! early-ended and reset calls) are tested in-process, in
+//! `io/tests/in_process/hardening.rs`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -260,80 +262,6 @@ fn a_window_update_flood_is_cut() {
         "window-flood",
         raw_h2::frame(raw_h2::WINDOW_UPDATE, 0, 0, &1u32.to_be_bytes()),
     );
-}
-
-#[test]
-fn a_connection_that_never_sends_the_preface_is_closed() {
-    let dir = TempDir::new("mute");
-    // Idle connections are left alone here: only the handshake timeout can
-    // close this one.
-    let (_mock, mut sidecar) = serving(
-        &dir.0,
-        &[],
-        &["--handshake-timeout", "1s", "--idle-timeout", "1h"],
-    );
-    // Connected, and never a byte: closed once the handshake timeout passed
-    // (the 30 s read timeout of the test caller would say "not closed").
-    let mut mute = RawH2::connect(sidecar.listen);
-    let (frames, ended) = mute.read_to_end();
-    assert!(ended, "the silent connection was closed");
-    assert!(
-        frames.iter().all(|f| f.kind == raw_h2::SETTINGS),
-        "nothing but the server's own SETTINGS: {frames:?}"
-    );
-    sidecar.proc.stop_cleanly();
-}
-
-#[test]
-fn a_connection_without_calls_is_sent_goaway_after_the_idle_timeout() {
-    let dir = TempDir::new("idle");
-    let (_mock, mut sidecar) = serving(&dir.0, &[], &["--idle-timeout", "2s"]);
-    let mut idle = RawH2::connect(sidecar.listen);
-    idle.handshake();
-    let (frames, ended) = idle.read_to_end();
-    assert!(ended, "the idle connection was closed");
-    assert!(
-        frames.iter().any(|f| f.goaway_code() == Some(0)),
-        "with a GOAWAY (NO_ERROR) first: {frames:?}"
-    );
-    sidecar.proc.stop_cleanly();
-}
-
-#[test]
-fn connections_past_the_cap_are_closed_and_the_rest_still_serve() {
-    let dir = TempDir::new("conn-cap");
-    let (_mock, mut sidecar) = serving(&dir.0, &[], &["--max-connections", "3"]);
-    let mut held: Vec<RawH2> = (0..3)
-        .map(|_| {
-            let mut c = RawH2::connect(sidecar.listen);
-            c.handshake();
-            c
-        })
-        .collect();
-    wait_until(HANG, "three caller connections", || {
-        sidecar.metric("llm_sidecar_caller_connections ") == Some(3.0)
-    });
-    let mut fourth = RawH2::connect(sidecar.listen);
-    let (frames, ended) = fourth.read_to_end();
-    assert!(ended && frames.is_empty(), "the fourth is closed at once");
-    assert_eq!(
-        sidecar.metric("llm_sidecar_caller_connections_refused_total"),
-        Some(1.0)
-    );
-    assert_eq!(http_get(sidecar.admin, "/live").map(|r| r.0), Some(200));
-    held.pop();
-    wait_until(HANG, "a free connection slot", || {
-        sidecar.metric("llm_sidecar_caller_connections ") == Some(2.0)
-    });
-    let answered = rt().block_on(async {
-        let mut client = TrtllmServiceClient::connect(format!("http://{}", sidecar.listen))
-            .await
-            .expect("connect");
-        client.get_model_info(GetModelInfoRequest {}).await
-    });
-    assert!(answered.is_ok(), "{answered:?}");
-    drop(held);
-    sidecar.proc.stop_cleanly();
 }
 
 /// systemd's default soft limit is 1,024 open files: silent connections used
@@ -771,213 +699,6 @@ fn an_admin_port_filled_with_idle_connections_still_answers_every_probe() {
     let _ = attacker.join();
 }
 
-/// Opens `n` `grpc.health.v1.Health/Watch` streams on one new connection to
-/// `target` and never sends their request messages (half-open): the answers'
-/// futures, in order.
-async fn half_open_watches(target: SocketAddr, n: usize) -> Vec<h2::client::ResponseFuture> {
-    let tcp = tokio::net::TcpStream::connect(target)
-        .await
-        .expect("connect");
-    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-    tokio::spawn(connection);
-    let mut answers = Vec::with_capacity(n);
-    for _ in 0..n {
-        let mut client = client.clone().ready().await.expect("ready");
-        let request = http::Request::builder()
-            .method("POST")
-            .uri(format!("http://{target}/grpc.health.v1.Health/Watch"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .expect("request");
-        let (answer, body) = client.send_request(request, false).expect("send");
-        // The request's body stream is kept open, and never written.
-        std::mem::forget(body);
-        answers.push(answer);
-    }
-    answers
-}
-
-/// Attack 5 of hardening round three: half-open own-health Watch streams
-/// (HEADERS, then nothing), many per connection, on several connections.
-/// Each connection holds at most 16; the rest are refused RESOURCE_EXHAUSTED
-/// at once and counted; the held ones are answered DEADLINE_EXCEEDED once
-/// their request has not come for 5 s; a router's Check on another
-/// connection is answered SERVING throughout.
-#[test]
-fn half_open_own_health_watches_are_capped_per_connection_and_time_out() {
-    let dir = TempDir::new("own-health-flood");
-    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
-    let target = sidecar.listen;
-    let admin = sidecar.admin;
-    rt().block_on(async move {
-        let mut all = Vec::new();
-        for _ in 0..4 {
-            all.extend(half_open_watches(target, 40).await);
-        }
-        tokio::time::sleep(Duration::from_millis(700)).await;
-        let open = tokio::task::spawn_blocking(move || {
-            metric_at(admin, "llm_sidecar_own_health_streams ")
-        })
-        .await
-        .expect("join");
-        assert_eq!(open, Some(64.0), "16 on each of the 4 connections");
-        // A router's Check on a connection of its own is answered at once.
-        assert_eq!(own_health_status(target, "").await, 1, "SERVING");
-        let mut codes = std::collections::BTreeMap::<String, usize>::new();
-        for answer in all {
-            let code = match tokio::time::timeout(Duration::from_secs(15), answer).await {
-                Ok(Ok(response)) => response
-                    .headers()
-                    .get("grpc-status")
-                    .map_or("none".to_string(), |v| {
-                        v.to_str().unwrap_or("?").to_string()
-                    }),
-                Ok(Err(e)) => format!("error {e}"),
-                Err(_) => "no answer in 15 s".to_string(),
-            };
-            *codes.entry(code).or_default() += 1;
-        }
-        assert_eq!(
-            codes,
-            [("4".to_string(), 64), ("8".to_string(), 96)].into(),
-            "64 held then DEADLINE_EXCEEDED, 96 RESOURCE_EXHAUSTED"
-        );
-    });
-    assert_eq!(
-        sidecar.metric("llm_sidecar_own_health_streams_refused_total"),
-        Some(96.0)
-    );
-    assert_eq!(sidecar.metric("llm_sidecar_own_health_streams "), Some(0.0));
-    sidecar.proc.stop_cleanly();
-}
-
-/// An HPACK block for a gRPC POST to `path` (static-table references and
-/// literals without indexing: no dynamic table to keep in step).
-fn grpc_headers_block(authority: &str, path: &str) -> Vec<u8> {
-    let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
-    for (prefix, value) in [
-        (&[0x04u8][..], path),                   // :path
-        (&[0x01u8][..], authority),              // :authority
-        (&[0x0f, 0x10][..], "application/grpc"), // content-type (index 31)
-    ] {
-        block.extend_from_slice(prefix);
-        block.push(value.len() as u8);
-        block.extend_from_slice(value.as_bytes());
-    }
-    block.extend_from_slice(&[0x00, 2]);
-    block.extend_from_slice(b"te");
-    block.push(8);
-    block.extend_from_slice(b"trailers");
-    block
-}
-
-/// Attack 7 of hardening round three: on one connection, 1,200 calls each
-/// starting a message whose length prefix is over the limit and sending on
-/// after it. Each is answered RESOURCE_EXHAUSTED; what the caller sends after
-/// the answer is read and dropped, so none of it makes h2 reset a stream on
-/// its own account, and the connection is never sent GOAWAY (h2 sends
-/// ENHANCE_YOUR_CALM past 1,024 such resets): a gateway multiplexing many
-/// users on one connection is not cut by one of them.
-#[test]
-fn calls_ended_early_for_an_oversized_message_do_not_get_their_connection_cut() {
-    let dir = TempDir::new("early-ends");
-    let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
-    let mut raw = raw_h2::RawH2::connect(sidecar.listen);
-    raw.handshake();
-    let block = grpc_headers_block(
-        &sidecar.listen.to_string(),
-        "/trtllm.TrtllmService/Generate",
-    );
-    // A length prefix of 2 GiB, then bytes of that message, then more.
-    let mut start = vec![0u8, 0x7f, 0xff, 0xff, 0xff];
-    start.extend_from_slice(&[7u8; 16]);
-    let more = [9u8; 16];
-    const CALLS: u32 = 1_200;
-    const WAVE: u32 = 40;
-    let mut answered = 0u32;
-    let mut goaway = None;
-    let mut next_stream = 1u32;
-    for _ in 0..CALLS / WAVE {
-        let mut out = Vec::new();
-        let first = next_stream;
-        for _ in 0..WAVE {
-            out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, next_stream, &block));
-            out.extend(raw_h2::frame(raw_h2::DATA, 0, next_stream, &start));
-            out.extend(raw_h2::frame(raw_h2::DATA, 0, next_stream, &more));
-            next_stream += 2;
-        }
-        raw.send(&out).expect("send a wave");
-        // Each call's answer (HEADERS); then, on the streams still open,
-        // more of the request, sent after the answer as a client that does
-        // not stop at once would.
-        let mut seen = 0;
-        while seen < WAVE {
-            let frame = raw.read_frame().expect("the sidecar answers");
-            match frame.kind {
-                raw_h2::HEADERS if frame.stream >= first => seen += 1,
-                raw_h2::GOAWAY => {
-                    goaway = frame.goaway_code();
-                    break;
-                }
-                _ => {}
-            }
-        }
-        if goaway.is_some() {
-            break;
-        }
-        answered += seen;
-        let mut after = Vec::new();
-        for s in (first..next_stream).step_by(2) {
-            after.extend(raw_h2::frame(raw_h2::DATA, 0, s, &more));
-            after.extend(raw_h2::frame(raw_h2::DATA, raw_h2::END_STREAM, s, &more));
-        }
-        raw.send(&after).expect("send the rest");
-    }
-    assert_eq!(goaway, None, "GOAWAY after {answered} early-ended calls");
-    assert_eq!(answered, CALLS);
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"too_large\"}"),
-        Some(f64::from(CALLS))
-    );
-    sidecar.proc.stop_cleanly();
-}
-
-/// Attack 2 of hardening round three: with no engine connection open yet,
-/// thousands of calls each reset by the caller right after its HEADERS.
-/// Opening an engine connection is not the reset call's: the first call
-/// starts it, the calls after it wait for the same one, and a reset leaves it
-/// opening. The engine accepts a handful of connections, not one per call.
-#[test]
-fn reset_calls_do_not_open_an_engine_connection_each() {
-    let dir = TempDir::new("reset-connections");
-    let (mock, mut sidecar) = serving(&dir.0, &["--load-delay", "0ms"], &[]);
-    let before = mock.stats()["connections"].as_u64().expect("connections");
-    let mut raw = raw_h2::RawH2::connect(sidecar.listen);
-    raw.handshake();
-    let block = grpc_headers_block(
-        &sidecar.listen.to_string(),
-        "/trtllm.TrtllmService/Generate",
-    );
-    const CALLS: u32 = 3_000;
-    let cancel = 8u32.to_be_bytes(); // RST_STREAM CANCEL
-    let mut out = Vec::new();
-    for n in 0..CALLS {
-        let stream = 1 + 2 * n;
-        out.extend(raw_h2::frame(raw_h2::HEADERS, 0x4, stream, &block));
-        out.extend(raw_h2::frame(0x3, 0, stream, &cancel));
-    }
-    raw.send(&out).expect("send HEADERS and RST_STREAM pairs");
-    std::thread::sleep(Duration::from_secs(2));
-    let after = mock.stats()["connections"].as_u64().expect("connections");
-    assert!(
-        after - before <= 4,
-        "the engine accepted {} connections for {CALLS} reset calls",
-        after - before
-    );
-    sidecar.proc.stop_cleanly();
-}
-
 /// Attack 1 of hardening round three: rapid reset through the sidecar. While a
 /// victim streams a long generation, four other connections send bursts of
 /// HEADERS + DATA + RST_STREAM for 2 s. The sidecar must not pass the burst
@@ -1009,7 +730,7 @@ fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
     let dir = TempDir::new("rapid-reset");
     let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "10ms"], &[]);
     let listen = sidecar.listen;
-    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
     let data = raw_h2::grpc_message(&generate("rapid", 4).encode_to_vec());
     let engine_connections = || mock.stats()["connections"].as_u64().expect("connections");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1115,7 +836,7 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     let dir = TempDir::new("never-reads");
     let (_mock, mut sidecar) = serving(&dir.0, &[], &[]);
     let before = rss_kib(sidecar.proc.pid());
-    let block = grpc_headers_block(
+    let block = raw_h2::grpc_headers_block(
         &sidecar.listen.to_string(),
         "/trtllm.TrtllmService/Generate",
     );
@@ -1156,7 +877,7 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
 /// each with `calls` Generate calls of 100,000 tokens: no answer byte may be
 /// sent to them, so every one of their answers waits in the sidecar.
 fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
-    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
     (0..2)
         .map(|c| {
             // Each from an address of its own, so that both have a full
@@ -1262,7 +983,7 @@ fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
 /// connections from `address`: at the tests' 100 ms per token, none ends
 /// while a test looks.
 fn hold_streams(listen: SocketAddr, address: &str, connections: u32, calls: u32) -> Vec<RawH2> {
-    let block = grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
     let address: std::net::IpAddr = address.parse().expect("address");
     (0..connections)
         .map(|c| {

@@ -208,6 +208,15 @@ impl Worker {
             .and_then(|v| v.parse().ok())
     }
 
+    /// The admin server's status for `GET path`; `None` if nothing answers.
+    pub async fn admin_status(&self, path: &'static str) -> Option<u16> {
+        let admin = self.admin;
+        tokio::task::spawn_blocking(move || http_get(admin, path, Duration::from_secs(10)))
+            .await
+            .expect("the GET ran")
+            .map(|(status, _)| status)
+    }
+
     /// Whether the worker still runs.
     pub fn running(&self) -> bool {
         !self.run.is_finished()

@@ -347,7 +347,7 @@ pub fn rt() -> tokio::runtime::Runtime {
 
 pub mod account;
 pub mod etcd;
-pub mod raw_h2;
+pub use llm_sidecar_testkit::raw_h2;
 pub mod relay;
 
 /// A small tmpfs mounted over a directory (the tests run as root in CI): a

@@ -174,3 +174,23 @@ pub fn generate_request_head(target: std::net::SocketAddr) -> http::Request<()> 
         .body(())
         .expect("request")
 }
+
+/// An HPACK block for a gRPC POST to `path` (static-table references and
+/// literals without indexing: no dynamic table to keep in step).
+pub fn grpc_headers_block(authority: &str, path: &str) -> Vec<u8> {
+    let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
+    for (prefix, value) in [
+        (&[0x04u8][..], path),                   // :path
+        (&[0x01u8][..], authority),              // :authority
+        (&[0x0f, 0x10][..], "application/grpc"), // content-type (index 31)
+    ] {
+        block.extend_from_slice(prefix);
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block.extend_from_slice(&[0x00, 2]);
+    block.extend_from_slice(b"te");
+    block.push(8);
+    block.extend_from_slice(b"trailers");
+    block
+}
