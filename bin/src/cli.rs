@@ -79,3 +79,24 @@ impl Cli {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use llm_sidecar_io::request_plane::Limits;
+
+    use super::*;
+
+    /// `run`'s flags default to `Limits::DEFAULT`, the durations given as
+    /// text included, so the in-process tests run what `llm-sidecar run` runs.
+    #[test]
+    fn run_without_flags_has_the_default_limits() {
+        let Command::Run(args) = Cli::try_parse_from(["llm-sidecar", "run"])
+            .expect("no flag is required")
+            .command
+        else {
+            panic!("not run");
+        };
+        let config = args.into_config().expect("the defaults are valid");
+        assert_eq!(config.limits, Limits::DEFAULT);
+    }
+}

@@ -282,25 +282,3 @@ pub fn run(args: RunArgs) -> Exit {
         }
     })
 }
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use super::*;
-    use crate::cli::{Cli, Command};
-
-    /// The flags' defaults are `Limits::DEFAULT`, the durations given as
-    /// text included, so the in-process tests run what `llm-sidecar run` runs.
-    #[test]
-    fn run_without_flags_has_the_default_limits() {
-        let Command::Run(args) = Cli::try_parse_from(["llm-sidecar", "run"])
-            .expect("no flag is required")
-            .command
-        else {
-            panic!("not run");
-        };
-        let config = args.into_config().expect("the defaults are valid");
-        assert_eq!(config.limits, Limits::DEFAULT);
-    }
-}

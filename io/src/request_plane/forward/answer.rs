@@ -138,7 +138,7 @@ pub(super) async fn engine_answer(
     let first = if end_of_stream {
         None
     } else {
-        match request_start(&mut body, ends, respond).await {
+        match begun(&mut body, &mut limiter, ends, respond).await {
             Ok(first) => first,
             Err(why) => {
                 linger(plane, body);
@@ -146,38 +146,8 @@ pub(super) async fn engine_answer(
             }
         }
     };
-    let mut bytes = 0;
-    if let Some(data) = &first {
-        bytes = data.len() as u64;
-        if limiter.feed(data).is_err() {
-            linger(plane, body);
-            return Err(Unanswered::Request(RequestFailed::TooLarge));
-        }
-    }
-    let opened = {
-        // An engine stream first (at once, or in turn with other caller
-        // addresses when they run short), then an engine connection: the
-        // least busy among the calls that have one, so a call waiting here
-        // counts on no connection.
-        let mut send = pin!(async {
-            let caller = plane.engine_streams.acquire(address).await;
-            let lease = lease.insert(plane.engine.lease(caller));
-            lease.send(request, end_of_stream).await
-        });
-        poll_fn(|cx| {
-            if let Some(ending) = ends.poll(cx) {
-                return Poll::Ready(Err(Unanswered::Ended(ending)));
-            }
-            if let Poll::Ready(sent) = send.as_mut().poll(cx) {
-                return Poll::Ready(
-                    sent.map_err(|e| Unanswered::Engine(crate::report::error_chain(e.as_ref()))),
-                );
-            }
-            respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
-        })
-        .await
-    };
-    let (answer, mut engine_stream) = match opened {
+    let opened = open_engine_stream(plane, lease, address, request, end_of_stream, ends, respond);
+    let (answer, engine_stream) = match opened.await {
         Ok(opened) => opened,
         Err(why) => {
             if !end_of_stream {
@@ -186,32 +156,80 @@ pub(super) async fn engine_answer(
             return Err(why);
         }
     };
-    let mut pump = (!end_of_stream).then(|| {
-        let ended = body.is_end_stream();
-        if first.as_ref().is_some_and(|data| !data.is_empty()) {
-            // A claim on the window for it, as the pump makes for every frame.
-            engine_stream.reserve_capacity(1);
-        }
-        RequestPump {
-            held: first.map(|data| (data, ended)),
-            inner: Some(body),
-            engine: engine_stream,
-            message_by: limiter.mid_message().then(RequestPump::message_wait),
-            limiter,
-            plane: plane.clone(),
-            bytes,
-        }
+    let mut pump =
+        (!end_of_stream).then(|| RequestPump::start(plane, body, first, limiter, engine_stream));
+    let head = answer_head(plane, lease, answer, &mut pump, ends, respond).await?;
+    Ok((head, pump))
+}
+
+/// The request's first DATA (`None`: it ended without one), counted against
+/// the message limit, once it came (`request_start`).
+async fn begun(
+    body: &mut RecvStream,
+    limiter: &mut MessageLimiter,
+    ends: &mut Endings,
+    respond: &mut SendResponse<Bytes>,
+) -> Result<Option<Bytes>, Unanswered> {
+    let first = request_start(body, ends, respond).await?;
+    if let Some(data) = &first
+        && limiter.feed(data).is_err()
+    {
+        return Err(Unanswered::Request(RequestFailed::TooLarge));
+    }
+    Ok(first)
+}
+
+/// An engine stream first (at once, or in turn with other caller addresses
+/// when they run short), then an engine connection: the least busy among
+/// the calls that have one, so a call waiting here counts on no connection.
+/// The request's HEADERS go out on it; the lease is kept in `lease`.
+async fn open_engine_stream(
+    plane: &Arc<Plane>,
+    lease: &mut Option<Lease>,
+    address: IpAddr,
+    request: http::Request<()>,
+    end_of_stream: bool,
+    ends: &mut Endings,
+    respond: &mut SendResponse<Bytes>,
+) -> Result<(h2::client::ResponseFuture, h2::SendStream<Bytes>), Unanswered> {
+    let mut send = pin!(async {
+        let caller = plane.engine_streams.acquire(address).await;
+        let lease = lease.insert(plane.engine.lease(caller));
+        lease.send(request, end_of_stream).await
     });
-    // The request goes out while the answer's headers are awaited. Given up
-    // before they come, the engine stream is reset only once the engine has
-    // taken it (`unanswered_stream`): the lease goes with it till then.
-    let mut awaiting =
-        UnansweredStream::new(answer, lease.take(), plane.counters.unanswered.clone());
-    let head = poll_fn(|cx| {
+    poll_fn(|cx| {
         if let Some(ending) = ends.poll(cx) {
             return Poll::Ready(Err(Unanswered::Ended(ending)));
         }
-        if let Err(failed) = drive_request(&mut pump, cx) {
+        if let Poll::Ready(sent) = send.as_mut().poll(cx) {
+            return Poll::Ready(
+                sent.map_err(|e| Unanswered::Engine(crate::report::error_chain(e.as_ref()))),
+            );
+        }
+        respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
+    })
+    .await
+}
+
+/// The answer's headers, while the request goes out. Given up before they
+/// come, the engine stream is reset only once the engine has taken it
+/// (`unanswered_stream`): the lease goes with it till then, and comes back
+/// to `lease` with the headers.
+async fn answer_head(
+    plane: &Plane,
+    lease: &mut Option<Lease>,
+    answer: h2::client::ResponseFuture,
+    pump: &mut Option<RequestPump>,
+    ends: &mut Endings,
+    respond: &mut SendResponse<Bytes>,
+) -> Result<http::Response<RecvStream>, Unanswered> {
+    let mut awaiting =
+        UnansweredStream::new(answer, lease.take(), plane.counters.unanswered.clone());
+    poll_fn(|cx| {
+        if let Some(ending) = ends.poll(cx) {
+            return Poll::Ready(Err(Unanswered::Ended(ending)));
+        }
+        if let Err(failed) = drive_request(pump, cx) {
             return Poll::Ready(Err(Unanswered::Request(failed)));
         }
         if let Poll::Ready((head, held)) = awaiting.poll_answer(cx) {
@@ -222,8 +240,7 @@ pub(super) async fn engine_answer(
         }
         respond.poll_reset(cx).map(|_| Err(Unanswered::CallerGone))
     })
-    .await?;
-    Ok((head, pump))
+    .await
 }
 
 /// Ends a call that got no answer headers from the engine: its outcome, and

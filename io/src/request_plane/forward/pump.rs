@@ -96,6 +96,31 @@ pub(super) fn drive_request(
 }
 
 impl RequestPump {
+    /// The pump of a request that has begun: `first`, its first DATA (already
+    /// fed to `limiter`), goes out first; the rest of `body` after it.
+    pub(super) fn start(
+        plane: &Arc<Plane>,
+        body: RecvStream,
+        first: Option<Bytes>,
+        limiter: MessageLimiter,
+        mut engine: SendStream<Bytes>,
+    ) -> RequestPump {
+        let ended = body.is_end_stream();
+        if first.as_ref().is_some_and(|data| !data.is_empty()) {
+            // A claim on the window for it, as the pump makes for every frame.
+            engine.reserve_capacity(1);
+        }
+        RequestPump {
+            bytes: first.as_ref().map_or(0, |data| data.len() as u64),
+            held: first.map(|data| (data, ended)),
+            inner: Some(body),
+            engine,
+            message_by: limiter.mid_message().then(RequestPump::message_wait),
+            limiter,
+            plane: plane.clone(),
+        }
+    }
+
     /// The time a message begun now has to arrive whole.
     pub(super) fn message_wait() -> Pin<Box<tokio::time::Sleep>> {
         Box::pin(tokio::time::sleep(MESSAGE_ARRIVAL_WAIT))
