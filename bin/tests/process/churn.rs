@@ -38,7 +38,7 @@ impl Rng {
     }
 }
 
-fn spawn_sidecar(
+fn spawn_cycle(
     dir: &Path,
     engine: SocketAddr,
     listen: SocketAddr,
@@ -52,7 +52,7 @@ fn spawn_sidecar(
         &dir.join("discovery"),
         &["--startup-deadline", "10m"],
     );
-    Proc::spawn(&args, dir.join(format!("sidecar-cycle-{n}.log")))
+    spawn_sidecar(&args, dir.join(format!("sidecar-cycle-{n}.log")))
 }
 
 #[test]
@@ -79,7 +79,7 @@ fn supervised_churn_loses_no_call_and_never_lingers_in_front_of_a_dead_engine() 
             let mut n = 0;
             while !done.load(Ordering::Acquire) {
                 n += 1;
-                let mut p = spawn_sidecar(&dir, grpc, listen, admin, n);
+                let mut p = spawn_cycle(&dir, grpc, listen, admin, n);
                 while p.running() && !done.load(Ordering::Acquire) {
                     std::thread::sleep(Duration::from_millis(20));
                 }

@@ -296,7 +296,7 @@ fn malformed_flags_exit_2_before_contacting_anything() {
             free_addr().to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut p = Proc::spawn(&args, dir.0.join(format!("flags-{i}.log")));
+        let mut p = spawn_sidecar(&args, dir.0.join(format!("flags-{i}.log")));
         let code = p.wait_exit(HANG);
         assert_eq!(code, 2, "{extra:?} exits 2; log:\n{}", p.log_text());
         assert!(!p.log_text().trim().is_empty(), "{extra:?} explains itself");

@@ -436,7 +436,7 @@ fn instances_reads_only_regular_files_once_each_and_escapes_what_it_prints() {
         "pid": 1, "registered_at": "2026-12-01T00:00:00.000Z"
     });
     std::fs::write(records.join("abc.json"), record.to_string()).expect("record");
-    let mut p = Proc::spawn(
+    let mut p = spawn_sidecar(
         &[
             "instances".to_string(),
             "--discovery".into(),
@@ -506,7 +506,7 @@ fn hostile_flag_values_exit_2_before_contacting_anything() {
             free_addr().to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut p = Proc::spawn(&args, dir.0.join(format!("flags-{i}.log")));
+        let mut p = spawn_sidecar(&args, dir.0.join(format!("flags-{i}.log")));
         let code = p.wait_exit(HANG);
         assert_eq!(code, 2, "{extra:?} exits 2; log:\n{}", p.log_text());
         assert!(p.log_text().contains("error:"), "{extra:?} explains itself");

@@ -204,7 +204,7 @@ fn bad_tls_files_exit_2_before_contacting_anything() {
         .map(|s| s.to_string())
         .collect();
         args.extend(flags.iter().map(|s| s.to_string()));
-        let mut p = Proc::spawn(&args, dir.0.join(format!("bad-{i}.log")));
+        let mut p = spawn_sidecar(&args, dir.0.join(format!("bad-{i}.log")));
         assert_eq!(p.wait_exit(HANG), 2, "{flags:?}: {}", p.log_text());
         assert!(
             p.log_text().contains(says),

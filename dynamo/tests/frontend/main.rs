@@ -3,24 +3,18 @@
 //! discovery files or keys, the exit code, the loss line) and what the engine
 //! saw (the token ids, the aborts).
 
-// llm-sidecar's process tests' etcd, shared: this suite uses part of it.
-#[path = "../../../bin/tests/process/support/etcd.rs"]
-#[allow(dead_code)]
-mod etcd;
 mod hardening;
 mod kube;
 mod kube_api;
 mod kv;
-#[path = "../../../bin/tests/process/support/proc.rs"]
-mod proc;
 mod requests;
 mod support;
 
 use std::time::{Duration, Instant};
 
-pub use proc::{HANG, Proc, wait_until};
+pub use llm_sidecar_testkit::proc::{HANG, Proc, wait_until};
+pub use support::free_addr;
 use support::*;
-pub use support::{Certs, free_addr};
 
 /// How long the frontend's discovery watch may take to act on a removed
 /// record before requests are sent (measured in docs/PERFORMANCE.md's

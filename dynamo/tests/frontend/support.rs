@@ -9,23 +9,15 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-pub use crate::etcd::Etcd;
 pub use crate::kube_api::FakeKube;
+pub use llm_sidecar_testkit::etcd::Etcd;
 
 /// Makes each pod uid of a test run its own (a pod made again under the
 /// same name is another incarnation).
 static POD_INCARNATION: AtomicU64 = AtomicU64::new(0);
-pub use crate::proc::{HANG, Proc, TempDir, wait_until};
+pub use llm_sidecar_testkit::proc::{HANG, Proc, TempDir, wait_until};
 
-/// Stand-in for the TLS material of `llm-sidecar`'s suite (etcd.rs names it);
-/// this suite runs etcd in plaintext.
-pub struct Certs {
-    pub dir: PathBuf,
-}
-
-pub fn free_addr() -> SocketAddr {
-    llm_sidecar_loadgen::local::free_loopback_addr().expect("a free loopback port")
-}
+pub use llm_sidecar_testkit::free_addr;
 
 /// A free loopback address for Dynamo's system port: Dynamo 1.6.1 reads
 /// `DYN_SYSTEM_PORT` as an i16, so the port must be below 32,768, where

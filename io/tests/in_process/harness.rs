@@ -15,19 +15,16 @@ use llm_sidecar_io::discovery::DiscoveryUri;
 use llm_sidecar_io::engine::EngineChoice;
 use llm_sidecar_io::request_plane::Limits;
 use llm_sidecar_io::{RunConfig, RunError, Timings};
-use llm_sidecar_loadgen::local::{free_loopback_addr, http_get, record_files};
+use llm_sidecar_loadgen::local::{http_get, record_files};
 use llm_sidecar_mock_engine::MockConfig;
+use llm_sidecar_testkit::free_addr;
+use llm_sidecar_testkit::proc::TempDir;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// Generous: only stops a hang.
 pub const HANG: Duration = Duration::from_secs(60);
-
-/// A loopback address with a port nobody listens on right now.
-pub fn free_addr() -> SocketAddr {
-    free_loopback_addr().expect("a free loopback port")
-}
 
 /// `GET path` on `addr` (HTTP/1.0), off the runtime's threads; the body if
 /// it answered 200.
@@ -48,28 +45,6 @@ pub async fn wait_until<F: std::future::Future<Output = bool>>(
     while !done().await {
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A directory of the test's own, removed when dropped.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!(
-            "llm-sidecar-in-process-{name}-{}-{}",
-            std::process::id(),
-            free_addr().port()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -2,8 +2,9 @@
 //! engine) on loopback, file discovery in a temporary directory, and what an
 //! operator would look at: the record, the exit code, the log lines.
 
-mod proc;
-pub use proc::{HANG, Proc, TempDir, wait_until};
+pub use llm_sidecar_testkit::certs::Certs;
+pub use llm_sidecar_testkit::proc::{HANG, Proc, TempDir, wait_until};
+pub use llm_sidecar_testkit::{etcd, free_addr};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -40,11 +41,6 @@ pub async fn own_health_status(listen: SocketAddr, service: &str) -> i32 {
         .expect("the sidecar's own health answers")
         .into_inner()
         .status
-}
-
-/// A loopback address with a port nobody listens on right now.
-pub fn free_addr() -> SocketAddr {
-    llm_sidecar_loadgen::local::free_loopback_addr().expect("a free loopback port")
 }
 
 /// `GET path` over HTTP/1.0; returns (status, body). `None` if nothing answers.
@@ -84,10 +80,9 @@ pub fn bench_report(child: Child) -> serde_json::Value {
     })
 }
 
-impl Proc {
-    pub fn spawn(args: &[String], log: PathBuf) -> Self {
-        Proc::spawn_program(binary(), args, log)
-    }
+/// `llm-sidecar` with these arguments, its stderr to `log`.
+pub fn spawn_sidecar(args: &[String], log: PathBuf) -> Proc {
+    Proc::spawn_program(binary(), args, log)
 }
 
 /// Checks a loss the way an operator would: the one ERROR line
@@ -128,7 +123,7 @@ impl Mock {
             ];
             args.extend(extra.iter().map(|s| s.to_string()));
             let log = dir.join(format!("mock-{}-{attempt}.log", grpc.port()));
-            let mut proc = Proc::spawn(&args, log);
+            let mut proc = spawn_sidecar(&args, log);
             wait_until(HANG, "the mock engine to answer or exit", || {
                 http_get(control, "/stats").is_some() || !proc.running()
             });
@@ -346,7 +341,6 @@ pub fn rt() -> tokio::runtime::Runtime {
 }
 
 pub mod account;
-pub mod etcd;
 pub use llm_sidecar_testkit::raw_h2;
 pub mod relay;
 
@@ -410,106 +404,5 @@ impl Sidecar {
                 self.proc.log_text()
             )
         })
-    }
-}
-
-/// Test certificates made with the `openssl` command: a CA, a server
-/// certificate for 127.0.0.1/localhost, a client certificate from the same CA,
-/// and a client certificate from another CA that nobody trusts.
-pub struct Certs {
-    pub dir: PathBuf,
-}
-
-impl Certs {
-    pub fn make(dir: &Path) -> Certs {
-        let dir = dir.join("certs");
-        std::fs::create_dir_all(&dir).expect("certs dir");
-        let run = |args: &[&str]| {
-            let out = Command::new("openssl")
-                .args(args)
-                .current_dir(&dir)
-                .output()
-                .expect("run openssl (scripts/test.sh installs it)");
-            assert!(
-                out.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        let ca = |name: &str| {
-            run(&[
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                &format!("{name}.key"),
-                "-out",
-                &format!("{name}.pem"),
-                "-days",
-                "2",
-                "-subj",
-                &format!("/CN={name}"),
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign,cRLSign",
-            ]);
-        };
-        ca("ca");
-        ca("rogue-ca");
-        let leaf = |name: &str, issuer: &str, ext: &str| {
-            run(&[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                &format!("{name}.key"),
-                "-out",
-                &format!("{name}.csr"),
-                "-subj",
-                &format!("/CN={name}"),
-            ]);
-            std::fs::write(dir.join(format!("{name}.ext")), ext).expect("ext file");
-            run(&[
-                "x509",
-                "-req",
-                "-in",
-                &format!("{name}.csr"),
-                "-CA",
-                &format!("{issuer}.pem"),
-                "-CAkey",
-                &format!("{issuer}.key"),
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-out",
-                &format!("{name}.pem"),
-                "-extfile",
-                &format!("{name}.ext"),
-            ]);
-        };
-        leaf(
-            "server",
-            "ca",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
-        );
-        leaf("client", "ca", "extendedKeyUsage=clientAuth\n");
-        leaf("rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n");
-        Certs { dir }
-    }
-
-    pub fn path(&self, file: &str) -> String {
-        self.dir.join(file).display().to_string()
-    }
-
-    pub fn read(&self, file: &str) -> Vec<u8> {
-        std::fs::read(self.dir.join(file)).expect("read cert file")
     }
 }

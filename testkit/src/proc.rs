@@ -1,6 +1,5 @@
-//! What both process-test crates share (`llm-sidecar`'s and
-//! `llm-sidecar-dynamo`'s, which includes this file by path): a child process
-//! with its log, a temporary directory, and waits that only stop a hang.
+//! What the suites share to run processes: a child process with its log, a
+//! temporary directory, and waits that only stop a hang.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};

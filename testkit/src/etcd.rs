@@ -12,7 +12,9 @@ use llm_sidecar_etcd_api::etcdserverpb::{
 };
 use tonic::transport::Channel;
 
-use super::{HANG, Proc, free_addr, wait_until};
+use crate::certs::Certs;
+use crate::free_addr;
+use crate::proc::{HANG, Proc, wait_until};
 
 pub struct Etcd {
     pub client: SocketAddr,
@@ -60,7 +62,7 @@ impl Etcd {
 
     /// An etcd serving clients over TLS (the server certificate of `certs`)
     /// and requiring client certificates from `certs`' CA.
-    pub fn started_tls(dir: &Path, certs: &super::Certs) -> Self {
+    pub fn started_tls(dir: &Path, certs: &Certs) -> Self {
         let mut e = Etcd::new(dir);
         e.tls = Some(certs.dir.clone());
         e.start();
