@@ -7,6 +7,7 @@ pub mod certs;
 pub mod etcd;
 pub mod proc;
 pub mod raw_h2;
+pub mod trtllm;
 
 /// A loopback address with a port nobody listens on right now.
 pub fn free_addr() -> std::net::SocketAddr {

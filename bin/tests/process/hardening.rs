@@ -9,53 +9,14 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use llm_sidecar_engine_api::trtllm::GetModelInfoRequest;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_engine_api::trtllm::{GenerateRequest, GetModelInfoRequest, TokenizedInput};
+use llm_sidecar_testkit::trtllm::{generate, generate_through};
 use prost::Message;
 use tonic::Code;
 
 use crate::support::raw_h2::{self, RawH2};
 use crate::support::*;
-
-fn generate(id: &str, tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_string(),
-        tokenized: Some(TokenizedInput {
-            original_text: String::new(),
-            input_token_ids: vec![1, 2, 3],
-        }),
-        max_tokens: tokens,
-        streaming: true,
-    }
-}
-
-/// One trtllm Generate of `tokens` tokens through `target`, on a connection
-/// of its own, as the load generator sends it: the messages streamed (the
-/// tokens and the final one).
-async fn generate_through(
-    target: SocketAddr,
-    id: &str,
-    tokens: u32,
-) -> Result<usize, tonic::Status> {
-    use tokio_stream::StreamExt;
-    let channel = llm_sidecar_loadgen::connect(&target.to_string())
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let mut pieces = llm_sidecar_loadgen::generate::generate(
-        llm_sidecar_io::engine::EngineKind::Trtllm,
-        channel,
-        id.to_string(),
-        8,
-        tokens,
-    )
-    .await?;
-    let mut n = 0;
-    while let Some(piece) = pieces.next().await {
-        piece?;
-        n += 1;
-    }
-    Ok(n)
-}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -98,13 +59,13 @@ fn a_grpcio_caller_sees_the_engines_trailers_only_status_unchanged() {
         (
             "stream",
             "/trtllm.TrtllmService/Generate",
-            generate("error:7:not for you", 1).encode_to_vec(),
+            generate("error:7:not for you", 3, 1).encode_to_vec(),
             "PERMISSION_DENIED",
         ),
         (
             "stream",
             "/trtllm.TrtllmService/Generate",
-            generate("error:13:executor failed", 1).encode_to_vec(),
+            generate("error:13:executor failed", 3, 1).encode_to_vec(),
             "INTERNAL",
         ),
     ];
@@ -731,7 +692,7 @@ fn rapid_reset_beside_a_victim(delay: Option<Duration>) {
     let (mock, mut sidecar) = serving(&dir.0, &["--token-delay", "10ms"], &[]);
     let listen = sidecar.listen;
     let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-    let data = raw_h2::grpc_message(&generate("rapid", 4).encode_to_vec());
+    let data = raw_h2::grpc_message(&generate("rapid", 3, 4).encode_to_vec());
     let engine_connections = || mock.stats()["connections"].as_u64().expect("connections");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -854,7 +815,7 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     let mut out = Vec::new();
     for n in 0..512u32 {
         let stream = 1 + 2 * n;
-        let message = generate(&format!("unread-{n}"), 20_000).encode_to_vec();
+        let message = generate(&format!("unread-{n}"), 3, 20_000).encode_to_vec();
         out.extend(raw_h2::call(stream, &block, &message));
     }
     raw.send(&out).expect("512 calls");
@@ -887,7 +848,7 @@ fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
             // SETTINGS_INITIAL_WINDOW_SIZE 0.
             let mut out = raw_h2::preface(&[(0x4, 0)]);
             for n in 0..calls {
-                let message = generate(&format!("stalled-{c}-{n}"), 100_000).encode_to_vec();
+                let message = generate(&format!("stalled-{c}-{n}"), 3, 100_000).encode_to_vec();
                 out.extend(raw_h2::call(1 + 2 * n, &block, &message));
             }
             raw.send(&out).expect("the stalled calls");
@@ -990,7 +951,7 @@ fn hold_streams(listen: SocketAddr, address: &str, connections: u32, calls: u32)
             let mut raw = RawH2::connect_from(address, listen);
             let mut out = raw_h2::preface(&[]);
             for n in 0..calls {
-                let message = generate(&format!("{address}-{c}-{n}"), 1_000).encode_to_vec();
+                let message = generate(&format!("{address}-{c}-{n}"), 3, 1_000).encode_to_vec();
                 out.extend(raw_h2::call(1 + 2 * n, &block, &message));
             }
             raw.send(&out).expect("the calls");

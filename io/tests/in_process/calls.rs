@@ -3,73 +3,15 @@
 //! of the same name and asserts what it asserted there.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
-use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_engine_api::trtllm::{
-    GenerateRequest, GetModelInfoRequest, HealthCheckRequest, TokenizedInput,
-};
+use llm_sidecar_engine_api::trtllm::{GetModelInfoRequest, HealthCheckRequest};
+use llm_sidecar_testkit::trtllm::{client, generate, run_generate};
 use tonic::Code;
 use tonic::transport::Channel;
 
 use crate::harness::*;
-
-async fn client(addr: SocketAddr) -> TrtllmServiceClient<Channel> {
-    TrtllmServiceClient::connect(format!("http://{addr}"))
-        .await
-        .expect("connect")
-}
-
-fn generate(id: &str, prompt: u32, tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_string(),
-        tokenized: Some(TokenizedInput {
-            original_text: String::new(),
-            input_token_ids: (0..prompt).map(|i| 10 + i).collect(),
-        }),
-        max_tokens: tokens,
-        streaming: true,
-    }
-}
-
-/// Streamed token ids, the final complete's ids, and how the stream ended.
-#[derive(Debug, PartialEq)]
-struct Outcome {
-    streamed: Vec<u32>,
-    complete: Vec<u32>,
-    end: Result<(), (Code, String)>,
-}
-
-async fn run_generate(mut c: TrtllmServiceClient<Channel>, req: GenerateRequest) -> Outcome {
-    let mut out = Outcome {
-        streamed: vec![],
-        complete: vec![],
-        end: Ok(()),
-    };
-    let mut stream = match c.generate(req).await {
-        Ok(s) => s.into_inner(),
-        Err(s) => {
-            out.end = Err((s.code(), s.message().to_string()));
-            return out;
-        }
-    };
-    loop {
-        match stream.message().await {
-            Ok(Some(m)) => match m.response {
-                Some(GenResponse::Chunk(c)) => out.streamed.extend(c.token_ids),
-                Some(GenResponse::Complete(c)) => out.complete = c.output_token_ids,
-                None => {}
-            },
-            Ok(None) => return out,
-            Err(s) => {
-                out.end = Err((s.code(), s.message().to_string()));
-                return out;
-            }
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_through_the_sidecar_are_what_the_engine_sends() {

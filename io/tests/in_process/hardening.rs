@@ -6,52 +6,13 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use llm_sidecar_engine_api::trtllm::GetModelInfoRequest;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_engine_api::trtllm::{GenerateRequest, GetModelInfoRequest, TokenizedInput};
 use llm_sidecar_testkit::raw_h2::{self, RawH2};
+use llm_sidecar_testkit::trtllm::{generate, generate_through};
 use tonic::Code;
 
 use crate::harness::*;
-
-fn generate(id: &str, tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_string(),
-        tokenized: Some(TokenizedInput {
-            original_text: String::new(),
-            input_token_ids: vec![1, 2, 3],
-        }),
-        max_tokens: tokens,
-        streaming: true,
-    }
-}
-
-/// One trtllm Generate of `tokens` tokens through `target`, on a connection
-/// of its own, as the load generator sends it: the messages streamed (the
-/// tokens and the final one).
-async fn generate_through(
-    target: SocketAddr,
-    id: &str,
-    tokens: u32,
-) -> Result<usize, tonic::Status> {
-    use tokio_stream::StreamExt;
-    let channel = llm_sidecar_loadgen::connect(&target.to_string())
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let mut pieces = llm_sidecar_loadgen::generate::generate(
-        llm_sidecar_io::engine::EngineKind::Trtllm,
-        channel,
-        id.to_string(),
-        8,
-        tokens,
-    )
-    .await?;
-    let mut n = 0;
-    while let Some(piece) = pieces.next().await {
-        piece?;
-        n += 1;
-    }
-    Ok(n)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_answer_with_oversized_headers_fails_that_call_only() {
@@ -63,7 +24,7 @@ async fn an_engine_answer_with_oversized_headers_fails_that_call_only() {
         .expect("connect");
     let mut long = TrtllmServiceClient::new(channel.clone());
     let long = tokio::spawn(async move {
-        let mut stream = long.generate(generate("long", 100)).await?.into_inner();
+        let mut stream = long.generate(generate("long", 3, 100)).await?.into_inner();
         let mut n = 0;
         while stream.message().await?.is_some() {
             n += 1;
@@ -73,7 +34,7 @@ async fn an_engine_answer_with_oversized_headers_fails_that_call_only() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut big = TrtllmServiceClient::new(channel);
     let failed = big
-        .generate(generate("big-headers:100000", 4))
+        .generate(generate("big-headers:100000", 3, 4))
         .await
         .expect_err("the oversized answer fails");
     assert_eq!(failed.code(), Code::ResourceExhausted, "{failed:?}");

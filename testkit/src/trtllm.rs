@@ -1,0 +1,100 @@
+//! Calls on the trtllm API (`trtllm.TrtllmService`, the mock engine's
+//! default kind) as the suites make them: a client, a Generate request, and
+//! what a whole Generate stream gave back.
+
+use std::net::SocketAddr;
+
+use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
+use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
+use llm_sidecar_engine_api::trtllm::{GenerateRequest, TokenizedInput};
+use tonic::Code;
+use tonic::transport::Channel;
+
+/// A client on a connection of its own to `addr`.
+pub async fn client(addr: SocketAddr) -> TrtllmServiceClient<Channel> {
+    TrtllmServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect")
+}
+
+/// A streaming Generate of `tokens` tokens for a prompt of `prompt` tokens.
+pub fn generate(id: &str, prompt: u32, tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.to_string(),
+        tokenized: Some(TokenizedInput {
+            original_text: String::new(),
+            input_token_ids: (0..prompt).map(|i| 10 + i).collect(),
+        }),
+        max_tokens: tokens,
+        streaming: true,
+    }
+}
+
+/// Streamed token ids, the final complete's ids, and how the stream ended.
+#[derive(Debug, PartialEq)]
+pub struct Outcome {
+    /// The chunks' token ids, in order.
+    pub streamed: Vec<u32>,
+    /// The final message's token ids.
+    pub complete: Vec<u32>,
+    /// OK, or the status it ended with.
+    pub end: Result<(), (Code, String)>,
+}
+
+/// One Generate on `c`, read to its end.
+pub async fn run_generate(mut c: TrtllmServiceClient<Channel>, req: GenerateRequest) -> Outcome {
+    let mut out = Outcome {
+        streamed: vec![],
+        complete: vec![],
+        end: Ok(()),
+    };
+    let mut stream = match c.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            out.end = Err((s.code(), s.message().to_string()));
+            return out;
+        }
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(m)) => match m.response {
+                Some(GenResponse::Chunk(c)) => out.streamed.extend(c.token_ids),
+                Some(GenResponse::Complete(c)) => out.complete = c.output_token_ids,
+                None => {}
+            },
+            Ok(None) => return out,
+            Err(s) => {
+                out.end = Err((s.code(), s.message().to_string()));
+                return out;
+            }
+        }
+    }
+}
+
+/// One Generate of `tokens` tokens through `target`, on a connection of its
+/// own, as the load generator sends it: the messages streamed (the tokens
+/// and the final one).
+pub async fn generate_through(
+    target: SocketAddr,
+    id: &str,
+    tokens: u32,
+) -> Result<usize, tonic::Status> {
+    use tokio_stream::StreamExt;
+    let channel = llm_sidecar_loadgen::connect(&target.to_string())
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut pieces = llm_sidecar_loadgen::generate::generate(
+        llm_sidecar_io::engine::EngineKind::Trtllm,
+        channel,
+        id.to_string(),
+        8,
+        tokens,
+    )
+    .await?;
+    let mut n = 0;
+    while let Some(piece) = pieces.next().await {
+        piece?;
+        n += 1;
+    }
+    Ok(n)
+}
