@@ -7,8 +7,11 @@ use std::net::SocketAddr;
 use llm_sidecar_engine_api::trtllm::generate_response::Response as GenResponse;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
 use llm_sidecar_engine_api::trtllm::{GenerateRequest, TokenizedInput};
+use prost::Message;
 use tonic::Code;
 use tonic::transport::Channel;
+
+use crate::raw_h2::{self, RawH2};
 
 /// A client on a connection of its own to `addr`.
 pub async fn client(addr: SocketAddr) -> TrtllmServiceClient<Channel> {
@@ -97,4 +100,28 @@ pub async fn generate_through(
         n += 1;
     }
     Ok(n)
+}
+
+/// Two connections (from 127.0.0.2 and 127.0.0.3) that set their stream
+/// window to zero and never open it, each with `calls` Generate calls of
+/// 100,000 tokens: no answer byte may be sent to them, so every one of their
+/// answers waits in the sidecar.
+pub fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
+    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    (0..2)
+        .map(|c| {
+            // Each from an address of its own, so that both have a full
+            // budget of engine streams.
+            let source = std::net::IpAddr::from([127, 0, 0, 2 + c as u8]);
+            let mut raw = RawH2::connect_from(source, listen);
+            // SETTINGS_INITIAL_WINDOW_SIZE 0.
+            let mut out = raw_h2::preface(&[(0x4, 0)]);
+            for n in 0..calls {
+                let message = generate(&format!("stalled-{c}-{n}"), 3, 100_000).encode_to_vec();
+                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
+            }
+            raw.send(&out).expect("the stalled calls");
+            raw
+        })
+        .collect()
 }

@@ -3,15 +3,16 @@
 //! Attacks whose outcome a caller and the engine see without the process
 //! (oversized answer headers, half-open calls and own-health Watches, a
 //! stalled message, silent and idle connections, the connection cap,
-//! early-ended and reset calls) are tested in-process, in
-//! `io/tests/in_process/hardening.rs`.
+//! early-ended, reset and malformed calls; engine streams shared across
+//! addresses, callers with a zero window) are tested in-process, in
+//! `io/tests/in_process/{hardening,sharing}.rs`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use llm_sidecar_engine_api::trtllm::GetModelInfoRequest;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_testkit::trtllm::{generate, generate_through};
+use llm_sidecar_testkit::trtllm::{generate, generate_through, zero_window_callers};
 use prost::Message;
 use tonic::Code;
 
@@ -509,80 +510,6 @@ fn the_record_is_never_written_through_a_link_placed_in_the_registry() {
     sidecar.proc.stop_cleanly();
 }
 
-/// Attack 9 of hardening round three: a request that is not a gRPC call
-/// (`:method CONNECT`, which carries no `:path`; a GET; a POST to a path that
-/// names no method) is answered INVALID_ARGUMENT, which no caller retries
-/// elsewhere, counted as the caller's (`malformed`), never as the engine's
-/// (`engine_unreachable` stays 0), and never reaches the engine.
-#[test]
-fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine() {
-    let dir = TempDir::new("malformed");
-    let (mock, mut sidecar) = serving(&dir.0, &[], &[]);
-    let before = mock.stats()["generate_started"].as_u64();
-    rt().block_on(async {
-        let tcp = tokio::net::TcpStream::connect(sidecar.listen)
-            .await
-            .expect("connect");
-        let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-        tokio::spawn(connection);
-        let requests = [
-            http::Request::builder()
-                .method("CONNECT")
-                .uri(format!("{}", sidecar.listen))
-                .body(())
-                .expect("a CONNECT"),
-            http::Request::builder()
-                .method("GET")
-                .uri(format!(
-                    "http://{}/trtllm.TrtllmService/Generate",
-                    sidecar.listen
-                ))
-                .body(())
-                .expect("a GET"),
-            http::Request::builder()
-                .method("POST")
-                .uri(format!("http://{}/", sidecar.listen))
-                .header("content-type", "application/grpc")
-                .body(())
-                .expect("a POST to /"),
-        ];
-        for request in requests {
-            let what = format!("{} {}", request.method(), request.uri());
-            let mut client = client.clone().ready().await.expect("ready");
-            let (response, _body) = client.send_request(request, true).expect("send");
-            let response = response.await.expect("response headers");
-            assert_eq!(response.headers()["grpc-status"], "3", "{what}");
-            let message = response.headers()["grpc-message"]
-                .to_str()
-                .expect("ascii")
-                .replace("%20", " ");
-            assert!(message.starts_with("not a gRPC call"), "{what}: {message}");
-        }
-        // The sidecar serves on.
-        assert_eq!(
-            generate_through(sidecar.listen, "after-malformed", 4)
-                .await
-                .map_err(|s| s.code()),
-            Ok(5),
-            "4 tokens and the final message"
-        );
-    });
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"malformed\"}"),
-        Some(3.0)
-    );
-    assert_eq!(
-        sidecar.metric("llm_sidecar_calls_total{outcome=\"engine_unreachable\"}"),
-        Some(0.0)
-    );
-    assert_eq!(
-        mock.stats()["generate_started"].as_u64(),
-        before.map(|n| n + 1),
-        "the engine saw only the one gRPC call"
-    );
-    sidecar.proc.stop_cleanly();
-}
-
 /// Attack 8 of hardening round three: idle connections, re-opened as soon as
 /// they are closed, from many addresses on the pod network, against the admin
 /// port the kubelet probes. Every probe of `/live` is still answered: one
@@ -833,30 +760,6 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     sidecar.proc.stop_cleanly();
 }
 
-/// Two connections (from 127.0.0.2 and 127.0.0.3) that set their stream
-/// window to zero and never open it,
-/// each with `calls` Generate calls of 100,000 tokens: no answer byte may be
-/// sent to them, so every one of their answers waits in the sidecar.
-fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
-    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-    (0..2)
-        .map(|c| {
-            // Each from an address of its own, so that both have a full
-            // budget of engine streams.
-            let source = std::net::IpAddr::from([127, 0, 0, 2 + c as u8]);
-            let mut raw = RawH2::connect_from(source, listen);
-            // SETTINGS_INITIAL_WINDOW_SIZE 0.
-            let mut out = raw_h2::preface(&[(0x4, 0)]);
-            for n in 0..calls {
-                let message = generate(&format!("stalled-{c}-{n}"), 3, 100_000).encode_to_vec();
-                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
-            }
-            raw.send(&out).expect("the stalled calls");
-            raw
-        })
-        .collect()
-}
-
 /// One Generate of `tokens` through `listen`, given up after 240 s.
 fn generate_or_give_up(listen: SocketAddr, id: &str, tokens: u32) -> Result<usize, (Code, String)> {
     // A hang guard only: the attacks these calls stand beside failed them
@@ -873,33 +776,6 @@ fn generate_or_give_up(listen: SocketAddr, id: &str, tokens: u32) -> Result<usiz
             })?
             .map_err(|s| (s.code(), s.message().to_string()))
     })
-}
-
-/// Attack 3 of hardening round three, with tokens: 400 calls whose callers
-/// set their window to zero, the engine streaming one token per DATA frame
-/// (as engines do) every millisecond. h2 charges each small frame it holds
-/// unread against a budget of its connection; left unread in h2, the stalled
-/// answers spent it, and h2 failed the engine connection
-/// (`too_many_data_frames`) and the call streaming beside them. The relay
-/// now reads them out of h2 and holds them itself, the engine's window kept.
-#[test]
-fn zero_window_callers_of_token_streams_kill_no_engine_connection() {
-    let dir = TempDir::new("zero-window-tokens");
-    let (_mock, mut sidecar) = serving(&dir.0, &["--token-delay", "1ms"], &[]);
-    let listen = sidecar.listen;
-    let streaming = std::thread::spawn(move || generate_or_give_up(listen, "streaming", 4_000));
-    std::thread::sleep(Duration::from_millis(300));
-    let stalled = zero_window_callers(listen, 200);
-    assert_eq!(
-        streaming.join().expect("streaming caller"),
-        Ok(4_001),
-        "a call streaming beside 400 stalled calls gets all of its tokens"
-    );
-    let held = metric_at(sidecar.admin, "llm_sidecar_answer_bytes_held").unwrap_or(0.0);
-    println!("{held} bytes of answers held for 400 callers that do not read");
-    assert!(held > 0.0, "the stalled answers are held by the sidecar");
-    drop(stalled);
-    sidecar.proc.stop_cleanly();
 }
 
 /// Attack 3 of hardening round three, with the window: 4,096 calls whose
@@ -937,151 +813,5 @@ fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
     // 4,096 × 64 KiB held, and h2's state for each stream.
     assert!(grown_mib < 512, "the sidecar holds {grown_mib} MiB more");
     drop(stalled);
-    sidecar.proc.stop_cleanly();
-}
-
-/// `calls` Generate calls of 1,000 tokens on each of `connections`
-/// connections from `address`: at the tests' 100 ms per token, none ends
-/// while a test looks.
-fn hold_streams(listen: SocketAddr, address: &str, connections: u32, calls: u32) -> Vec<RawH2> {
-    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-    let address: std::net::IpAddr = address.parse().expect("address");
-    (0..connections)
-        .map(|c| {
-            let mut raw = RawH2::connect_from(address, listen);
-            let mut out = raw_h2::preface(&[]);
-            for n in 0..calls {
-                let message = generate(&format!("{address}-{c}-{n}"), 3, 1_000).encode_to_vec();
-                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
-            }
-            raw.send(&out).expect("the calls");
-            raw
-        })
-        .collect()
-}
-
-/// Reads `raw`'s frames until `n` of its streams have been answered (their
-/// response HEADERS came) or the hang guard passes; how many were.
-fn streams_answered(raw: &mut RawH2, n: usize) -> usize {
-    let mut answered = std::collections::HashSet::new();
-    let start = std::time::Instant::now();
-    while answered.len() < n && start.elapsed() < HANG {
-        match raw.read_frame() {
-            Ok(f) if f.kind == raw_h2::HEADERS => {
-                answered.insert(f.stream);
-            }
-            Ok(_) => {}
-            Err(_) => break,
-        }
-    }
-    answered.len()
-}
-
-/// Waits until the engine has started `n` Generate calls, then a moment more
-/// for any it should not have; returns how many it started.
-fn engine_started_settled(mock: &Mock, n: u64) -> u64 {
-    let started = || mock.stats()["generate_started"].as_u64().unwrap_or(0);
-    let start = std::time::Instant::now();
-    while started() < n && start.elapsed() < HANG {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_secs(1));
-    started()
-}
-
-/// Attack 6 of hardening round three, across connections: one address opens
-/// four connections of 40 calls each. Counted per connection only, they held
-/// every engine stream and a call from another address got no answer while
-/// `/ready` said 200. With `--engine-connections 4` on an engine of 20
-/// streams per connection (80 in all), callers take 40 before they compete:
-/// the address alone takes those 40, and another address is answered at once
-/// from the 40 kept for callers under their share. (The flag is new here:
-/// the sidecar's default no longer caps an address that is alone, which
-/// `one_address_alone_gets_every_engine_stream_it_asks_for` shows.)
-#[test]
-fn one_address_on_many_connections_holds_no_more_engine_streams_than_one_connection_may() {
-    let dir = TempDir::new("address-budget");
-    let (mock, mut sidecar) = serving(
-        &dir.0,
-        &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
-        &["--engine-connections", "4"],
-    );
-    let listen = sidecar.listen;
-    let held = hold_streams(listen, "127.0.0.2", 4, 40);
-    assert_eq!(
-        engine_started_settled(&mock, 40),
-        40,
-        "one address holds 40 engine streams, on any number of connections"
-    );
-    assert_eq!(
-        generate_or_give_up(listen, "another-caller", 2),
-        Ok(3),
-        "a caller at another address is answered beside the holder's 160 calls"
-    );
-    drop(held);
-    sidecar.proc.stop_cleanly();
-}
-
-/// Fairness is not a ceiling (issue 38): on default flags, one address —
-/// a router — alone takes every engine stream it asks for, on an engine of
-/// 20 streams per connection, through as many engine connections as that
-/// takes. A per-address budget of half the pool held it to 40 of its 160.
-#[test]
-fn one_address_alone_gets_every_engine_stream_it_asks_for() {
-    let dir = TempDir::new("address-alone");
-    let (mock, mut sidecar) = serving(
-        &dir.0,
-        &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
-        &[],
-    );
-    let held = hold_streams(sidecar.listen, "127.0.0.2", 4, 40);
-    assert_eq!(
-        engine_started_settled(&mock, 160),
-        160,
-        "one address alone has all 160 of its calls at the engine"
-    );
-    drop(held);
-    sidecar.proc.stop_cleanly();
-}
-
-/// When engine streams run short, a hostile address that took all it could
-/// while alone starves nobody: each newcomer gets its fair share at once,
-/// what is over its share waits, and waiting calls go on as streams end.
-/// `--engine-connections 4` on an engine of 20 streams per connection: 40
-/// before callers compete, 80 in all.
-#[test]
-fn when_engine_streams_run_short_each_address_gets_its_share_at_once() {
-    let dir = TempDir::new("address-shares");
-    let (mock, mut sidecar) = serving(
-        &dir.0,
-        &["--max-concurrent-streams", "20", "--token-delay", "100ms"],
-        &["--engine-connections", "4"],
-    );
-    let listen = sidecar.listen;
-    let hostile = hold_streams(listen, "127.0.0.2", 4, 40);
-    assert_eq!(engine_started_settled(&mock, 40), 40, "the hostile address");
-    // A second address asks for 30: its share of 40 between two is 20.
-    let mut second = hold_streams(listen, "127.0.0.3", 1, 30);
-    assert_eq!(
-        engine_started_settled(&mock, 60),
-        60,
-        "the second address gets its share, 20, at once, and no more"
-    );
-    assert_eq!(
-        generate_or_give_up(listen, "a-third-address", 2),
-        Ok(3),
-        "a third address is answered at once beside both"
-    );
-    // The hostile address goes: its 40 streams end, and the second
-    // address's 10 waiting calls reach the engine and are answered. (Counted
-    // on the second's own connection: the hostile's four connections close
-    // one by one, and a waiting call of one still open may start at the
-    // engine in between, as it should while its caller is there.)
-    drop(hostile);
-    assert_eq!(
-        streams_answered(&mut second[0], 30),
-        30,
-        "the second address's waiting calls go on as streams end"
-    );
     sidecar.proc.stop_cleanly();
 }

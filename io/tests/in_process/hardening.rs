@@ -471,3 +471,72 @@ async fn reset_calls_do_not_open_an_engine_connection_each() {
     drop(raw_caller);
     worker.stop_cleanly().await;
 }
+
+/// Attack 9 of hardening round three: a request that is not a gRPC call
+/// (`:method CONNECT`, which carries no `:path`; a GET; a POST to a path that
+/// names no method) is answered INVALID_ARGUMENT, which no caller retries
+/// elsewhere, counted as the caller's (`malformed`), never as the engine's
+/// (`engine_unreachable` stays 0), and never reaches the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine() {
+    let (engine, worker) = serving(|_| {}, |_| {}).await;
+    let listen = worker.listen;
+    let before = engine.stats().await["generate_started"].as_u64();
+    let tcp = tokio::net::TcpStream::connect(listen)
+        .await
+        .expect("connect");
+    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(connection);
+    let requests = [
+        http::Request::builder()
+            .method("CONNECT")
+            .uri(format!("{listen}"))
+            .body(())
+            .expect("a CONNECT"),
+        http::Request::get(format!("http://{listen}/trtllm.TrtllmService/Generate"))
+            .body(())
+            .expect("a GET"),
+        http::Request::post(format!("http://{listen}/"))
+            .header("content-type", "application/grpc")
+            .body(())
+            .expect("a POST to /"),
+    ];
+    for request in requests {
+        let what = format!("{} {}", request.method(), request.uri());
+        let mut client = client.clone().ready().await.expect("ready");
+        let (response, _body) = client.send_request(request, true).expect("send");
+        let response = response.await.expect("response headers");
+        assert_eq!(response.headers()["grpc-status"], "3", "{what}");
+        let message = response.headers()["grpc-message"]
+            .to_str()
+            .expect("ascii")
+            .replace("%20", " ");
+        assert!(message.starts_with("not a gRPC call"), "{what}: {message}");
+    }
+    // The sidecar serves on.
+    assert_eq!(
+        generate_through(listen, "after-malformed", 4)
+            .await
+            .map_err(|s| s.code()),
+        Ok(5),
+        "4 tokens and the final message"
+    );
+    assert_eq!(
+        worker
+            .metric("llm_sidecar_calls_total{outcome=\"malformed\"}")
+            .await,
+        Some(3.0)
+    );
+    assert_eq!(
+        worker
+            .metric("llm_sidecar_calls_total{outcome=\"engine_unreachable\"}")
+            .await,
+        Some(0.0)
+    );
+    assert_eq!(
+        engine.stats().await["generate_started"].as_u64(),
+        before.map(|n| n + 1),
+        "the engine saw only the one gRPC call"
+    );
+    worker.stop_cleanly().await;
+}

@@ -5,3 +5,4 @@
 mod calls;
 mod hardening;
 mod harness;
+mod sharing;
