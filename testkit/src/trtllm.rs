@@ -102,26 +102,62 @@ pub async fn generate_through(
     Ok(n)
 }
 
+/// One Generate of `tokens` through `target`, as [`generate_through`], given
+/// up after 240 s: a hang guard only, for calls that stand beside an attack
+/// (the attacks failed such calls with an error, never by slowing them; a
+/// 4,000-token stream took over 60 s once in CI beside 4,096 stalled calls).
+pub async fn generate_or_give_up(
+    target: SocketAddr,
+    id: &str,
+    tokens: u32,
+) -> Result<usize, (Code, String)> {
+    const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(240);
+    tokio::time::timeout(GIVE_UP, generate_through(target, id, tokens))
+        .await
+        .map_err(|_| {
+            (
+                Code::DeadlineExceeded,
+                format!("no end within {GIVE_UP:?} (test)"),
+            )
+        })?
+        .map_err(|s| (s.code(), s.message().to_string()))
+}
+
+/// One raw connection from `source` to `listen` that sends its preface with
+/// `settings`, then `calls` Generate calls of `tokens` tokens at once, call
+/// `n` with the id `id(n)`; nothing is read.
+pub fn raw_calls(
+    listen: SocketAddr,
+    source: std::net::IpAddr,
+    settings: &[(u16, u32)],
+    calls: u32,
+    tokens: u32,
+    id: impl Fn(u32) -> String,
+) -> RawH2 {
+    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
+    let mut raw = RawH2::connect_from(source, listen);
+    let mut out = raw_h2::preface(settings);
+    for n in 0..calls {
+        let message = generate(&id(n), 3, tokens).encode_to_vec();
+        out.extend(raw_h2::call(1 + 2 * n, &block, &message));
+    }
+    raw.send(&out).expect("the calls");
+    raw
+}
+
 /// Two connections (from 127.0.0.2 and 127.0.0.3) that set their stream
 /// window to zero and never open it, each with `calls` Generate calls of
 /// 100,000 tokens: no answer byte may be sent to them, so every one of their
 /// answers waits in the sidecar.
 pub fn zero_window_callers(listen: SocketAddr, calls: u32) -> Vec<RawH2> {
-    let block = raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-    (0..2)
+    (0..2u8)
         .map(|c| {
             // Each from an address of its own, so that both have a full
-            // budget of engine streams.
-            let source = std::net::IpAddr::from([127, 0, 0, 2 + c as u8]);
-            let mut raw = RawH2::connect_from(source, listen);
-            // SETTINGS_INITIAL_WINDOW_SIZE 0.
-            let mut out = raw_h2::preface(&[(0x4, 0)]);
-            for n in 0..calls {
-                let message = generate(&format!("stalled-{c}-{n}"), 3, 100_000).encode_to_vec();
-                out.extend(raw_h2::call(1 + 2 * n, &block, &message));
-            }
-            raw.send(&out).expect("the stalled calls");
-            raw
+            // budget of engine streams; SETTINGS_INITIAL_WINDOW_SIZE 0.
+            let source = std::net::IpAddr::from([127, 0, 0, 2 + c]);
+            raw_calls(listen, source, &[(0x4, 0)], calls, 100_000, |n| {
+                format!("stalled-{c}-{n}")
+            })
         })
         .collect()
 }

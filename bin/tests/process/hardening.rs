@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use llm_sidecar_engine_api::trtllm::GetModelInfoRequest;
 use llm_sidecar_engine_api::trtllm::trtllm_service_client::TrtllmServiceClient;
-use llm_sidecar_testkit::trtllm::{generate, generate_through, zero_window_callers};
+use llm_sidecar_testkit::trtllm::{
+    generate, generate_or_give_up, generate_through, zero_window_callers,
+};
 use prost::Message;
-use tonic::Code;
 
 use crate::support::raw_h2::{self, RawH2};
 use crate::support::*;
@@ -760,24 +761,6 @@ fn a_caller_that_never_reads_makes_the_sidecar_buffer_little() {
     sidecar.proc.stop_cleanly();
 }
 
-/// One Generate of `tokens` through `listen`, given up after 240 s.
-fn generate_or_give_up(listen: SocketAddr, id: &str, tokens: u32) -> Result<usize, (Code, String)> {
-    // A hang guard only: the attacks these calls stand beside failed them
-    // with an error, never by slowing them. A 4,000-token stream took over
-    // 60 s once in CI beside the 4,096 stalled calls of the next test.
-    rt().block_on(async {
-        tokio::time::timeout(HANG * 8, generate_through(listen, id, tokens))
-            .await
-            .map_err(|_| {
-                (
-                    Code::DeadlineExceeded,
-                    format!("no end within {:?} (test)", HANG * 8),
-                )
-            })?
-            .map_err(|s| (s.code(), s.message().to_string()))
-    })
-}
-
 /// Attack 3 of hardening round three, with the window: 4,096 calls whose
 /// callers set their window to zero, each answer longer than an engine
 /// stream's window. Each stalled answer keeps its stream window (64 KiB) of
@@ -804,7 +787,7 @@ fn zero_window_callers_holding_every_stream_window_starve_no_other_call() {
     }
     assert!(held >= full, "only {held} bytes held after 240 s");
     assert_eq!(
-        generate_or_give_up(listen, "late", 16),
+        rt().block_on(generate_or_give_up(listen, "late", 16)),
         Ok(17),
         "a call started beside 4,096 stalled calls gets its 16 tokens and final message"
     );

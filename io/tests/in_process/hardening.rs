@@ -74,11 +74,7 @@ async fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
     let half = 40;
     let mut held = Vec::new();
     for _ in 0..2 {
-        let tcp = tokio::net::TcpStream::connect(target)
-            .await
-            .expect("connect");
-        let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-        tokio::spawn(connection);
+        let client = h2_client(target).await;
         for _ in 0..half {
             let Ok(client) =
                 tokio::time::timeout(Duration::from_millis(500), client.clone().ready()).await
@@ -133,11 +129,7 @@ async fn half_open_calls_hold_no_engine_stream_and_end_after_the_start_wait() {
 async fn a_request_message_stalled_half_sent_ends_after_the_arrival_wait() {
     let (engine, worker) = serving(|_| {}, |_| {}).await;
     let target = worker.listen;
-    let tcp = tokio::net::TcpStream::connect(target)
-        .await
-        .expect("connect");
-    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-    tokio::spawn(connection);
+    let client = h2_client(target).await;
     let mut client = client.ready().await.expect("ready");
     let request = raw_h2::generate_request_head(target);
     let (answer, mut body) = client.send_request(request, false).expect("send");
@@ -173,6 +165,17 @@ async fn a_request_message_stalled_half_sent_ends_after_the_arrival_wait() {
     );
     drop(body);
     worker.stop_cleanly().await;
+}
+
+/// An HTTP/2 client connection to `target` (the h2 crate's, driven by a task
+/// of its own), for calls no gRPC library makes.
+async fn h2_client(target: SocketAddr) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = tokio::net::TcpStream::connect(target)
+        .await
+        .expect("connect");
+    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
+    tokio::spawn(connection);
+    client
 }
 
 /// `work` with a hand-written HTTP/2 caller, off the runtime's threads (its
@@ -271,11 +274,7 @@ async fn connections_past_the_cap_are_closed_and_the_rest_still_serve() {
 /// `target` and never sends their request messages (half-open): the answers'
 /// futures, in order.
 async fn half_open_watches(target: SocketAddr, n: usize) -> Vec<h2::client::ResponseFuture> {
-    let tcp = tokio::net::TcpStream::connect(target)
-        .await
-        .expect("connect");
-    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-    tokio::spawn(connection);
+    let client = h2_client(target).await;
     let mut answers = Vec::with_capacity(n);
     for _ in 0..n {
         let mut client = client.clone().ready().await.expect("ready");
@@ -482,11 +481,7 @@ async fn a_connect_without_path_is_the_callers_mistake_not_an_unreachable_engine
     let (engine, worker) = serving(|_| {}, |_| {}).await;
     let listen = worker.listen;
     let before = engine.stats().await["generate_started"].as_u64();
-    let tcp = tokio::net::TcpStream::connect(listen)
-        .await
-        .expect("connect");
-    let (client, connection) = h2::client::handshake(tcp).await.expect("h2 handshake");
-    tokio::spawn(connection);
+    let client = h2_client(listen).await;
     let requests = [
         http::Request::builder()
             .method("CONNECT")

@@ -7,9 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use llm_sidecar_testkit::raw_h2::{self, RawH2};
-use llm_sidecar_testkit::trtllm::{generate, generate_through, zero_window_callers};
-use prost::Message;
-use tonic::Code;
+use llm_sidecar_testkit::trtllm::{generate_or_give_up, raw_calls, zero_window_callers};
 
 use crate::harness::*;
 
@@ -19,25 +17,6 @@ async fn raw<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T 
     tokio::task::spawn_blocking(work)
         .await
         .expect("the raw callers ran")
-}
-
-/// One Generate of `tokens` through `listen`, given up after 240 s.
-async fn generate_or_give_up(
-    listen: SocketAddr,
-    id: &str,
-    tokens: u32,
-) -> Result<usize, (Code, String)> {
-    // A hang guard only: the attacks these calls stand beside failed them
-    // with an error, never by slowing them.
-    tokio::time::timeout(HANG * 4, generate_through(listen, id, tokens))
-        .await
-        .map_err(|_| {
-            (
-                Code::DeadlineExceeded,
-                format!("no end within {:?} (test)", HANG * 4),
-            )
-        })?
-        .map_err(|s| (s.code(), s.message().to_string()))
 }
 
 /// Attack 3 of hardening round three, with tokens: 400 calls whose callers
@@ -80,19 +59,12 @@ async fn hold_streams(
     calls: u32,
 ) -> Vec<RawH2> {
     raw(move || {
-        let block =
-            raw_h2::grpc_headers_block(&listen.to_string(), "/trtllm.TrtllmService/Generate");
-        let address: std::net::IpAddr = address.parse().expect("address");
+        let source: std::net::IpAddr = address.parse().expect("address");
         (0..connections)
             .map(|c| {
-                let mut raw = RawH2::connect_from(address, listen);
-                let mut out = raw_h2::preface(&[]);
-                for n in 0..calls {
-                    let message = generate(&format!("{address}-{c}-{n}"), 3, 1_000).encode_to_vec();
-                    out.extend(raw_h2::call(1 + 2 * n, &block, &message));
-                }
-                raw.send(&out).expect("the calls");
-                raw
+                raw_calls(listen, source, &[], calls, 1_000, |n| {
+                    format!("{address}-{c}-{n}")
+                })
             })
             .collect()
     })
